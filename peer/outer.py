@@ -1,0 +1,244 @@
+"""Outer updates: GASLoC (forms A, B, C) and its baselines, as pure tensor code over a worker's parameter list.
+
+Every algorithm has the same two-step shape, so the simulator and the live peer drive them identically:
+
+    outer = make_outer(cfg, params)        # records the anchor (theta at the start of the round)
+    ... H inner AdamW steps on params ...
+    sent = outer.outgoing(params)          # what this worker sends to its partner(s) this round
+    mixed = mix(sent, [partner_sent...])   # protocol.averaging; a solo round passes `sent` itself
+    outer.apply(params, mixed)             # writes the new theta into params and sets the next anchor
+
+Failure semantics: `apply` is the only call that changes params or state, and it is all-or-nothing on tensors
+already in memory. A failed exchange is a solo round (`apply(params, sent)`), never a partial mix.
+The inner optimizer (AdamW) and its state are not touched here: they stay local to the worker across rounds.
+See ../shared/docs/algorithm.md (and docs/algorithms.md) for the equations.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Algorithm = Literal["gasloc", "diloco", "noloco", "gossip", "local"]
+ALGORITHMS: tuple[str, ...] = ("gasloc", "diloco", "noloco", "gossip", "local")
+
+# Per-algorithm defaults for what the config leaves unset: (outer lr eta, momentum gamma / NoLoCo beta).
+_DEFAULTS: dict[str, tuple[float, float]] = {
+    "gasloc": (0.7, 0.9), "diloco": (0.7, 0.9), "noloco": (0.7, 0.5), "gossip": (1.0, 0.0), "local": (1.0, 0.0),
+}
+
+
+class OuterConfig(BaseModel):
+    """The outer update: which algorithm, and its hyperparameters."""
+    model_config = ConfigDict(extra="forbid")
+
+    algorithm: Algorithm = Field("gasloc", description="gasloc | diloco | noloco | gossip (gasloc with eta=1, "
+                                 "gamma=0) | local (no communication)")
+    form: Literal["A", "B", "C"] = Field("C", description="GASLoC form: A (published), B or C (default; B and C "
+                                         "equal DiLoCo on the complete graph)")
+    outer_lr: float | None = Field(None, gt=0, le=2, description="outer learning rate eta; default 0.7 "
+                                   "(gossip: 1.0)")
+    momentum: float | None = Field(None, ge=0, lt=1, description="outer momentum gamma (NoLoCo: beta); default "
+                                   "0.9 (noloco 0.5, gossip 0)")
+    mix_weight: float | None = Field(None, gt=0, le=1, description="weight w per partner in z = x - sum w (x - "
+                                     "x_j); default: the uniform mean of the group (1/2 with one partner)")
+
+    @model_validator(mode="after")
+    def _gossip_is_fixed(self) -> "OuterConfig":
+        if self.algorithm == "gossip" and (self.outer_lr not in (None, 1.0) or self.momentum not in (None, 0.0)):
+            raise ValueError("algorithm 'gossip' is GASLoC with outer_lr=1 and momentum=0; use 'gasloc' to set "
+                             "other values")
+        return self
+
+    @property
+    def eta(self) -> float:
+        return self.outer_lr if self.outer_lr is not None else _DEFAULTS[self.algorithm][0]
+
+    @property
+    def gamma(self) -> float:
+        return self.momentum if self.momentum is not None else _DEFAULTS[self.algorithm][1]
+
+    @property
+    def communicates(self) -> bool:
+        return self.algorithm != "local"
+
+
+def _clone(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in ts]
+
+
+class OuterUpdate:
+    """Base class: holds the anchor (theta at the round's start) and named state tensors for checkpoints."""
+
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self, cfg: OuterConfig, params: Sequence[torch.Tensor]):
+        self.cfg = cfg
+        self.eta, self.gamma = cfg.eta, cfg.gamma
+        self.reset(params)
+
+    @torch.no_grad()
+    def reset(self, params: Sequence[torch.Tensor]) -> None:
+        """Start afresh from `params` (a new run, or parameters downloaded from a peer): zero momentum."""
+        self.anchor = _clone(params)
+        self._reset_state(params)
+
+    def _reset_state(self, params: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def outgoing(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def apply(self, params: Sequence[torch.Tensor], mixed: Sequence[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _finish(self, params: Sequence[torch.Tensor], new_theta: Sequence[torch.Tensor]) -> None:
+        torch._foreach_copy_(list(params), list(new_theta))
+        self.anchor = _clone(params)
+
+    # ---- checkpointing: flat {name.i: tensor}; the anchor is the checkpoint's params, so it is not stored
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{name}.{i}": t for name in self.state_names for i, t in enumerate(getattr(self, name))}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+        self.anchor = _clone(params)
+        for name in self.state_names:
+            mine = getattr(self, name)
+            for i, t in enumerate(mine):
+                src = state.get(f"{name}.{i}")
+                if src is None or src.shape != t.shape:
+                    raise ValueError(f"outer state {name}.{i} missing or of the wrong shape")
+                t.copy_(src)
+
+
+class GASLoC(OuterUpdate):
+    """GASLoC, one worker's view (algorithm.md):
+
+        y = anchor + eta (theta - anchor)                        post-local-update point
+        A: send y; z = mix(y); theta = z + gamma (y - y_prev)
+        B: u = y + gamma (y - y_prev); send u; theta = mix(u)
+        C: send y; z = mix(y); theta = z + gamma (z - z_prev); z_prev = z
+        y_prev = y;  y_prev and z_prev start at theta_0
+
+    A solo round (mixed = sent) still applies the momentum. With gamma=0, eta=1 this is gossip-AdamW.
+    """
+
+    @property
+    def state_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("z_prev",) if self.cfg.form == "C" else ("y_prev",)
+
+    def _reset_state(self, params):
+        if self.cfg.form == "C":
+            self.z_prev = _clone(params)
+        else:
+            self.y_prev = _clone(params)
+
+    @torch.no_grad()
+    def _y(self, params) -> list[torch.Tensor]:
+        # y = anchor + eta (theta - anchor)
+        y = torch._foreach_sub(list(params), self.anchor)
+        torch._foreach_mul_(y, self.eta)
+        torch._foreach_add_(y, self.anchor)
+        return y
+
+    @torch.no_grad()
+    def outgoing(self, params):
+        y = self._y(params)
+        self._y_sent = y
+        if self.cfg.form == "B":
+            # u = y + gamma (y - y_prev)
+            u = torch._foreach_sub(y, self.y_prev)
+            torch._foreach_mul_(u, self.gamma)
+            torch._foreach_add_(u, y)
+            return u
+        return _clone(y)
+
+    @torch.no_grad()
+    def apply(self, params, mixed):
+        y = self._y_sent
+        form = self.cfg.form
+        if form == "A":
+            new = torch._foreach_sub(y, self.y_prev)
+            torch._foreach_mul_(new, self.gamma)
+            torch._foreach_add_(new, list(mixed))
+            self.y_prev = y
+        elif form == "B":
+            new = _clone(mixed)
+            self.y_prev = y
+        else:
+            z = _clone(mixed)
+            new = torch._foreach_sub(z, self.z_prev)
+            torch._foreach_mul_(new, self.gamma)
+            torch._foreach_add_(new, z)
+            self.z_prev = z
+        del self._y_sent
+        self._finish(params, new)
+
+
+class DiLoCo(OuterUpdate):
+    """DiLoCo: Delta = anchor - theta; Delta_bar = mean over ALL workers; Nesterov SGD on the anchor:
+    b = gamma b + Delta_bar;  x = x - eta (Delta_bar + gamma b). `mixed` must be the exact mean of everyone's Delta.
+    """
+
+    state_names = ("buf",)
+
+    def _reset_state(self, params):
+        self.buf = [torch.zeros_like(p) for p in params]
+
+    @torch.no_grad()
+    def outgoing(self, params):
+        return torch._foreach_sub(self.anchor, list(params))
+
+    @torch.no_grad()
+    def apply(self, params, mixed):
+        delta = list(mixed)
+        torch._foreach_mul_(self.buf, self.gamma)
+        torch._foreach_add_(self.buf, delta)
+        step = torch._foreach_add(delta, self.buf, alpha=self.gamma)
+        new = torch._foreach_add(self.anchor, step, alpha=-self.eta)
+        self._finish(params, new)
+
+
+class NoLoCo(OuterUpdate):
+    """NoLoCo (public code): each pair exchanges phi (slow weights = anchor) and Delta = theta - phi;
+    m = beta m + eta mean(Delta) + eta (mean(phi) - phi);  phi = phi + m;  theta = phi.
+    Outgoing is [phi..., Delta...]: the mean of the concatenation is the concatenation of the means.
+    """
+
+    state_names = ("m",)
+
+    def _reset_state(self, params):
+        self.m = [torch.zeros_like(p) for p in params]
+
+    @torch.no_grad()
+    def outgoing(self, params):
+        return _clone(self.anchor) + torch._foreach_sub(list(params), self.anchor)
+
+    @torch.no_grad()
+    def apply(self, params, mixed):
+        n = len(self.anchor)
+        phi_bar, delta_bar = list(mixed[:n]), list(mixed[n:])
+        torch._foreach_mul_(self.m, self.gamma)                       # beta m
+        torch._foreach_add_(self.m, delta_bar, alpha=self.eta)        # + eta mean(Delta)
+        torch._foreach_add_(self.m, torch._foreach_sub(phi_bar, self.anchor), alpha=self.eta)
+        self._finish(params, torch._foreach_add(self.anchor, self.m))
+
+
+class Local(OuterUpdate):
+    """No communication at all: the floor every method must beat. Sends nothing, changes nothing."""
+
+    def outgoing(self, params):
+        return []
+
+    def apply(self, params, mixed):
+        self.anchor = _clone(params)
+
+
+def make_outer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> OuterUpdate:
+    """The outer update for `cfg.algorithm`, anchored at `params`."""
+    cls = {"gasloc": GASLoC, "gossip": GASLoC, "diloco": DiLoCo, "noloco": NoLoCo, "local": Local}[cfg.algorithm]
+    return cls(cfg, params)

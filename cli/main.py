@@ -1,10 +1,39 @@
-"""The `gasloc` command: a thin click layer. Each subcommand builds its config and calls one `run(config)`."""
+"""The `gasloc` command: a thin click layer. Each subcommand lives beside the component it runs, builds that
+component's config (gasloc.config.resolve) and calls one `run(config)`. Subcommands load lazily, so `gasloc sim`
+never imports hivemind and `gasloc --help` is fast."""
+from __future__ import annotations
+
+import importlib
+
 import click
 
 from gasloc import __version__
 
+# name -> "module:attribute" of a click command
+COMMANDS = {
+    "peer": "gasloc.peer.cli:peer",
+    "bootstrap": "gasloc.bootstrap.cli:bootstrap",
+    "swarm": "gasloc.swarm:swarm",
+    "sim": "gasloc.sim.cli:sim",
+    "doctor": "gasloc.doctor:doctor",
+    "export": "gasloc.peer.export:export",
+    "presets": "gasloc.presets:presets",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gasloc")
 def cli() -> None:
     """Peer-to-peer LLM pre-training with GASLoC (gossip + outer momentum) over hivemind."""

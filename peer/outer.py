@@ -216,7 +216,7 @@ class NoLoCo(OuterUpdate):
 
     @torch.no_grad()
     def outgoing(self, params):
-        return _clone(self.anchor) + torch._foreach_sub(list(params), self.anchor)
+        return _clone(self.anchor) + list(torch._foreach_sub(list(params), self.anchor))
 
     @torch.no_grad()
     def apply(self, params, mixed):

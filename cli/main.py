@@ -17,7 +17,9 @@ COMMANDS = {
     "sim": "gasloc.sim.cli:sim",
     "doctor": "gasloc.doctor:doctor",
     "export": "gasloc.peer.export:export",
+    "tokenize": "gasloc.peer.tokenize_cli:tokenize",
     "presets": "gasloc.presets:presets",
+    "config-reference": "gasloc.configref:config_reference",
 }
 
 
@@ -37,3 +39,7 @@ class LazyGroup(click.Group):
 @click.version_option(__version__, prog_name="gasloc")
 def cli() -> None:
     """Peer-to-peer LLM pre-training with GASLoC (gossip + outer momentum) over hivemind."""
+
+
+if __name__ == "__main__":  # `python -m gasloc.main`: how supervisors start children with their own interpreter
+    cli()

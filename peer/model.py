@@ -5,6 +5,8 @@ the same rotate-half convention, so `gasloc export` is a rename-free copy.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from dataclasses import asdict, dataclass
 
@@ -12,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -195,3 +199,30 @@ def preset_table(vocab_sizes: tuple[int, ...] = (256, 32000)) -> list[dict]:
             row[f"train_mem_gb_vocab{v}"] = round(n * 4 * 5 / 1e9, 2)  # theta, m, v, anchor, outer momentum
         rows.append(row)
     return rows
+
+
+def autocast_for(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (matmuls in bf16, reductions and the loss in fp32); plain fp32 elsewhere.
+
+    A fresh context manager per call, so it can be entered by nested or repeated `with` blocks.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def maybe_compile(model: LlamaLM, cfg: ModelConfig, device: torch.device | str) -> LlamaLM:
+    """`torch.compile` the model's forward in place when cfg.compile is set and the device is CUDA; else a no-op.
+
+    Compiling in place (nn.Module.compile) keeps the module, its parameter names and its state_dict keys unchanged,
+    so checkpoints, the outer update and `gasloc export` see the same model either way.
+    """
+    if not cfg.compile:
+        return model
+    if torch.device(device).type != "cuda":
+        log.info("compile_skipped reason=not_cuda device=%s", device)
+        return model
+    model.compile()
+    log.info("compile_enabled device=%s", device)
+    return model

@@ -1,0 +1,315 @@
+"""Transport benchmark (issue #5): the pairwise exchange of a 25M / 100M-parameter payload, both ways at once.
+
+Methods, all measured in one run, by two worker processes (bench/transport_worker.py):
+  gasloc               our Exchanger (gasloc.peer.exchange) over a hivemind p2pd raw stream
+  tcp                  plain asyncio TCP, loop.sock_recv_into straight into preallocated tensors (the ceiling)
+  hivemind_raw_stream  hivemind's raw binary stream used as documented (StreamReader.readexactly), no protocol
+  hivemind_averager    hivemind's DecentralizedAverager, group of two (moves the same bytes as an exchange)
+Links: loopback, and two network namespaces joined by a veth pair shaped with tbf on both ends (notes §3).
+
+    python bench/transport.py --quick --json out.json      # 25M only, loopback + 1 Gbit
+    python bench/transport.py --json out.json               # 25M and 100M, loopback + 100 Mbit + 1 Gbit
+
+Shaped links need root (ip netns, tc). Namespaces, links and worker process groups are removed afterwards, also
+on Ctrl+C, SIGTERM or an exception. Prints a table with ratios against tcp and against the averager.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+WORKER = Path(__file__).with_name("transport_worker.py")
+METHODS = ("gasloc", "tcp", "hivemind_raw_stream", "hivemind_averager")
+LINKS = {"loopback": None, "100mbit": ("100mbit", "256kb"), "1gbit": ("1gbit", "1mb")}
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not run (setup failed, a worker died or reported an error)."""
+
+
+def sh(*cmd: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BenchError(f"`{' '.join(cmd)}` failed: {r.stderr.strip()}")
+
+
+@dataclass
+class Netns:
+    """Two namespaces <prefix>a / <prefix>b joined by a veth pair, egress shaped with tbf on both ends."""
+    prefix: str
+    rate: str
+    burst: str
+    created: bool = False
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return f"{self.prefix}a", f"{self.prefix}b"
+
+    hosts = ("10.213.7.1", "10.213.7.2")
+
+    def up(self) -> None:
+        a, b = self.names
+        self.created = True      # from the first command on, down() must clean up whatever exists
+        sh("ip", "netns", "add", a)
+        sh("ip", "netns", "add", b)
+        sh("ip", "link", "add", f"{a}v", "type", "veth", "peer", "name", f"{b}v")
+        for ns, host in zip((a, b), self.hosts):
+            sh("ip", "link", "set", f"{ns}v", "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{host}/24", "dev", f"{ns}v")
+            sh("ip", "-n", ns, "link", "set", f"{ns}v", "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            # egress shaping on both ends: a's upload and b's upload (tbf is what this kernel has; no netem)
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", f"{ns}v", "root", "tbf", "rate", self.rate,
+               "burst", self.burst, "latency", "200ms")
+
+    def down(self) -> None:
+        if not self.created:
+            return
+        for ns in self.names:        # deleting a namespace also deletes its end of the veth (and so the pair)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.created = False
+
+
+class WorkerProc:
+    """A worker subprocess in its own process group (so p2pd, DHT and averager children die with it)."""
+
+    def __init__(self, role: str, host: str, netns: str | None, extra: list[str], log_dir: str):
+        cmd = [sys.executable, str(WORKER), "--role", role, "--host", host, *extra]
+        if netns:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        self.log_path = os.path.join(log_dir, f"worker_{role}_{netns or 'root'}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     start_new_session=True, cwd=Path(__file__).resolve().parents[1])
+        self.role = role
+
+    def send(self, **cmd) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            tail = Path(self.log_path).read_text()[-3000:]
+            raise BenchError(f"worker {self.role} gave no answer within {timeout:.0f} s "
+                             f"(rc={self.proc.poll()}); its log ends with:\n{tail}")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise BenchError(f"worker {self.role}: {msg['error']}")
+        return msg
+
+    def call(self, timeout: float, **cmd) -> dict:
+        self.send(**cmd)
+        return self.recv(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send(op="exit")
+                self.proc.wait(timeout=15)
+            except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
+                pass   # it is killed below either way
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)     # p2pd, DHT and averager children too
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds used so far by the live processes of a process group (a worker, its p2pd, DHT, averager)."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue      # exited meanwhile
+        if int(fields[2]) == pgid:                 # field 5 of stat: pgrp
+            total += int(fields[11]) + int(fields[12])   # fields 14, 15: utime, stime
+    return total / _TICK
+
+
+def payload_timeout(params: int, wire: str, link: str) -> float:
+    mb = params * (4 if wire == "float32" else 2) / 1e6
+    rate_mb_s = {"loopback": 50, "1gbit": 60, "100mbit": 6}[link]   # pessimistic rates: only a hang should hit it
+    return 120 + mb / rate_mb_s * 3
+
+
+def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], reps: int, warmup: int,
+             log_dir: str) -> list[dict]:
+    rows: list[dict] = []
+    netns = None
+    workers: list[WorkerProc] = []
+    try:
+        if LINKS[link] is None:
+            hosts, spaces = ("127.0.0.1", "127.0.0.1"), (None, None)
+        else:
+            netns = Netns(f"gxb{os.getpid() % 100000}", *LINKS[link])
+            netns.up()
+            hosts, spaces = netns.hosts, netns.names
+        with_dht = ["--with-dht"] if "hivemind_averager" in methods else []
+        a = WorkerProc("a", hosts[0], spaces[0], with_dht, log_dir)
+        workers.append(a)
+        ready_a = a.recv(120)["ready"]
+        extra_b = ["--peer-host", hosts[0], "--peer-tcp", str(ready_a["tcp_port"]), "--peer-maddr", ready_a["maddr"]]
+        if with_dht:
+            extra_b += [*with_dht, "--peer-dht", *ready_a["dht_maddrs"]]
+        b = WorkerProc("b", hosts[1], spaces[1], extra_b, log_dir)
+        workers.append(b)
+        b.recv(120)
+        for params in sizes:
+            for wire in wires:
+                timeout = payload_timeout(params, wire, link)
+                for m in methods:
+                    key = f"{params}_{wire}_{m}"
+                    for w in (a, b):
+                        w.call(timeout, op="prepare", key=key, method=m, params=params, wire=wire)
+                times: dict[str, list[float]] = {m: [] for m in methods}
+                cpus: dict[str, list[float]] = {m: [] for m in methods}
+                for rep in range(warmup + reps):
+                    for m in methods:      # interleaved, so a burst of load from elsewhere hits every method
+                        key = f"{params}_{wire}_{m}"
+                        for w in (a, b):       # both at once: averagers arm only together (matchmaking)
+                            w.send(op="arm", key=key)
+                        a.recv(timeout), b.recv(timeout)
+                        cpu0 = sum(group_cpu_s(w.proc.pid) for w in (a, b))
+                        a.send(op="go", key=key)
+                        b.send(op="go", key=key)
+                        ra, rb = a.recv(timeout), b.recv(timeout)
+                        cpu = sum(group_cpu_s(w.proc.pid) for w in (a, b)) - cpu0
+                        if ra["check"] != "ok" or rb["check"] != "ok":
+                            raise BenchError(f"{m} {params} {wire} {link}: received data differs "
+                                             f"(a: {ra['check']}, b: {rb['check']})")
+                        seconds = max(ra["seconds"], rb["seconds"]) if m == "hivemind_averager" else rb["seconds"]
+                        if rep >= warmup:
+                            times[m].append(seconds)
+                            cpus[m].append(cpu)
+                        print(f"  {link:8} {params / 1e6:5.0f}M {wire:8} {m:20} rep {rep - warmup:+d}: "
+                              f"{seconds:7.3f} s  cpu {cpu:6.2f} s", flush=True)
+                for m in methods:
+                    key = f"{params}_{wire}_{m}"
+                    for w in (a, b):
+                        w.call(60, op="drop", key=key)
+                    wire_mb = params * (4 if wire == "float32" else 2) / 1e6
+                    med = statistics.median(times[m])
+                    rows.append({"link": link, "params": params, "wire_dtype": wire, "method": m, "seconds": med,
+                                 "seconds_min": min(times[m]), "runs": times[m], "wire_mb_each_way": wire_mb,
+                                 "cpu_s": statistics.median(cpus[m]),
+                                 "mb_s_each_way": wire_mb / med})
+    finally:
+        for w in workers:
+            w.stop()
+        if netns is not None:
+            netns.down()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    by_key = {(r["link"], r["params"], r["wire_dtype"], r["method"]): r for r in rows}
+    lines = [f"{'link':9} {'params':>7} {'wire':9} {'method':20} {'median s':>9} {'min s':>7} {'MB/s each way':>14} "
+             f"{'vs tcp':>7} {'vs averager':>11} {'CPU s':>6}"]
+    for r in rows:
+        k = (r["link"], r["params"], r["wire_dtype"])
+        tcp, avg = by_key.get((*k, "tcp")), by_key.get((*k, "hivemind_averager"))
+        # a ratio is speed relative to the reference: >1 means faster than it
+        vs_tcp = f"{tcp['seconds'] / r['seconds']:.2f}x" if tcp else "-"
+        vs_avg = f"{avg['seconds'] / r['seconds']:.2f}x" if avg else "-"
+        lines.append(f"{r['link']:9} {r['params'] / 1e6:6.0f}M {r['wire_dtype']:9} {r['method']:20} "
+                     f"{r['seconds']:9.3f} {r['seconds_min']:7.3f} {r['mb_s_each_way']:14.1f} {vs_tcp:>7} "
+                     f"{vs_avg:>11} {r['cpu_s']:6.2f}")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The issue's targets, checked on the fp32 rows: >= 0.9x tcp on shaped links, >= 2x averager on loopback."""
+    by_key = {(r["link"], r["params"], r["wire_dtype"], r["method"]): r for r in rows}
+    out = []
+    for (link, params, wire, method), r in sorted(by_key.items()):
+        if method != "gasloc":
+            continue
+        ref_m, goal = ("hivemind_averager", 2.0) if link == "loopback" else ("tcp", 0.9)
+        ref = by_key.get((link, params, wire, ref_m))
+        if ref:
+            ratio = ref["seconds"] / r["seconds"]
+            out.append(f"{link} {params / 1e6:.0f}M {wire}: gasloc = {ratio:.2f}x {ref_m} (target >= {goal}x): "
+                       f"{'MET' if ratio >= goal else 'NOT MET'}")
+    return out
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    return int(float(s[:-1]) * 1e6) if s.endswith("M") else int(s)
+
+
+@click.command()
+@click.option("--sizes", default="25M,100M", show_default=True, help="payload sizes in parameters (10 tensors each)")
+@click.option("--links", default="loopback,100mbit,1gbit", show_default=True,
+              help=f"comma-separated, from: {', '.join(LINKS)}")
+@click.option("--wires", default="float32,float16", show_default=True, help="wire dtypes (float32, float16)")
+@click.option("--methods", default=",".join(METHODS), show_default=True, help="comma-separated subset of methods")
+@click.option("--reps", default=3, show_default=True, help="timed repetitions per cell (the median is reported)")
+@click.option("--warmup", default=1, show_default=True, help="untimed runs per cell on loopback (page faults)")
+@click.option("--quick", is_flag=True, help="25M only, loopback + 1gbit, 2 reps")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="write the rows here")
+def main(sizes, links, wires, methods, reps, warmup, quick, json_out) -> None:
+    if quick:
+        sizes, links, reps = "25M", "loopback,1gbit", 2
+    try:
+        size_list = [parse_size(s) for s in sizes.split(",")]
+    except ValueError:
+        raise click.UsageError(f"--sizes {sizes!r}: use numbers like 25M,100M") from None
+    link_list, wire_list, method_list = links.split(","), wires.split(","), methods.split(",")
+    for name, got, allowed in (("--links", link_list, LINKS), ("--wires", wire_list, ("float32", "float16")),
+                               ("--methods", method_list, METHODS)):
+        bad = [x for x in got if x not in allowed]
+        if bad:
+            raise click.UsageError(f"{name}: unknown {bad}; choose from {', '.join(allowed)}")
+    if any(LINKS[link] for link in link_list) and os.geteuid() != 0:
+        raise click.UsageError("shaped links need root (ip netns, tc); run as root or use --links loopback")
+
+    # SIGTERM/SIGHUP unwind like Ctrl+C so every finally (workers, namespaces) runs
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGHUP, interrupt)
+
+    rows: list[dict] = []
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gxbench-") as log_dir:
+        try:
+            for link in link_list:
+                rows += run_link(link, size_list, wire_list, method_list, reps,
+                                 warmup if link == "loopback" else 0, log_dir)
+        except BenchError as e:
+            raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt:
+            click.echo("interrupted; workers and namespaces removed", err=True)
+            sys.exit(130)
+    click.echo(table(rows))
+    for line in targets(rows):
+        click.echo(line)
+    click.echo(f"total {time.monotonic() - t0:.0f} s")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""`gasloc bootstrap`'s configuration (resolved as defaults < TOML < GASLOC_* env < flags)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_PORT = 31337
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class BootstrapConfig(BaseModel):
+    """A long-lived DHT node that peers dial first. It holds no model and takes no part in training."""
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str = Field("gasloc", description="the run whose swarm size is logged (peers announce under "
+                        "<run_id>_peers); the node serves the DHT of any run")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP and UDP (QUIC) port on every interface "
+                      "(0: any free port, for tests); ignored when host_maddrs is set")
+    host_maddrs: list[str] | None = Field(None, description="multiaddrs to listen on; unset: "
+                                          "/ip4/0.0.0.0/tcp/<port> and /ip4/0.0.0.0/udp/<port>/quic-v1")
+    announce_maddrs: list[str] = Field(default_factory=list, description="multiaddrs peers should dial (a public "
+                                       "IP behind NAT or a port forward; needs an explicit port); empty: the "
+                                       "listen addresses")
+    initial_peers: list[str] = Field(default_factory=list, description="other bootstrap nodes or peers to join "
+                                     "(multiaddrs or files of them); empty: start a new DHT")
+    identity_path: Path = Field(Path("bootstrap.key"), description="private key file giving a stable peer id; "
+                                "created on first run; refused while another process uses it")
+    maddrs_file: Path | None = Field(None, description="write the node's full multiaddrs here (one per line, "
+                                     "atomically) once it is up; peers take this file as --initial-peers")
+    log_interval_s: float = Field(30.0, gt=0, description="log the swarm's size this often")
+    request_timeout_s: float = Field(10.0, gt=0, description="timeout of the DHT lookup that counts the peers")
+    startup_timeout_s: float = Field(30.0, gt=0, description="how long p2pd and the DHT may take to start")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str) -> str:
+        if not _RUN_ID.match(v):
+            raise ValueError("run_id must be 1-64 letters, digits, '-' or '_'")
+        return v
+
+    @field_validator("host_maddrs", "announce_maddrs")
+    @classmethod
+    def _maddrs(cls, v: list[str] | None) -> list[str] | None:
+        for m in v or ():
+            if not m.startswith("/"):
+                raise ValueError(f"{m!r} is not a multiaddr (like /ip4/0.0.0.0/tcp/31337)")
+        return v
+
+    @field_validator("announce_maddrs")
+    @classmethod
+    def _explicit_port(cls, v: list[str]) -> list[str]:
+        for m in v:
+            if re.search(r"/(tcp|udp)/0(/|$)", m):
+                raise ValueError(f"announce address {m!r} has port 0: peers cannot dial it; give the real port")
+        return v
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _peers(cls, v: list[str]) -> list[str]:
+        from gasloc.maddrs import expand_initial_peers
+
+        return expand_initial_peers(v)
+
+    @property
+    def listen_maddrs(self) -> list[str]:
+        if self.host_maddrs:
+            return list(self.host_maddrs)
+        return [f"/ip4/0.0.0.0/tcp/{self.port}", f"/ip4/0.0.0.0/udp/{self.port}/quic-v1"]

@@ -1,0 +1,164 @@
+"""`gasloc bootstrap`: a plain hivemind DHT node with a stable identity, for peers to dial first.
+
+Peers depend on nothing this node adds: it is a stock DHT node (a stock `hivemind.DHT` can take its place) that
+also validates the run's records (signatures, schema) so it stores no garbage, and logs the run's swarm size.
+
+Lifecycle: lock identity -> start DHT -> print maddrs (log, file, READY line) -> log the swarm size every
+log_interval_s until SIGINT/SIGTERM -> shut the DHT down (p2pd and its sockets with it) -> exit 0.
+"""
+from __future__ import annotations
+
+import fcntl
+import glob
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from gasloc.bootstrap.config import BootstrapConfig
+from gasloc.procs import emit_ready
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+class BootstrapError(RuntimeError):
+    """A failure the operator can fix; the message is one line that says how."""
+
+
+def lock_identity(path: Path) -> int:
+    """Create the key file if missing, then hold an exclusive lock on it for the life of this process.
+
+    hivemind refuses a taken identity only when the node has initial peers to ask (check_if_identity_free); a
+    bootstrap usually has none, so two nodes on one host sharing a key file are caught here instead."""
+    from hivemind.p2p import P2P
+
+    path = path.expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            P2P.generate_identity(str(path))  # RSA key, mode 0400
+            logger.info("identity_created path=%s", path)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise BootstrapError(f"cannot create or read identity file {path}: {e.strerror}; pass --identity-path "
+                             f"with a writable location") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise BootstrapError(f"identity {path} is already in use by another running node on this host; stop it, "
+                             f"or give this one its own key with --identity-path") from None
+    return fd
+
+
+def write_maddrs_file(path: Path, peer_id: str, maddrs: list[str]) -> None:
+    """One multiaddr per line, written to a temp file and renamed, so a reader never sees half a file."""
+    path = path.expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"# gasloc bootstrap {peer_id}\n" + "".join(m + "\n" for m in maddrs))
+    os.replace(tmp, path)
+
+
+async def _routing_table_size(_dht, node) -> int:
+    # runs inside the DHT process (DHT.run_coroutine): how many DHT nodes this one knows
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def swarm_size(dht, run_id: str, timeout_s: float) -> dict[str, int]:
+    """Live peers announced under the run's key (the same record peers list each other by), by state."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from gasloc.peer.membership import parse_listing, peers_key
+
+    found = dht.get(peers_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
+    peers = parse_listing(found, now=get_dht_time())
+    out = {"peers": len(peers), "max_round": max((r.round for r in peers.values()), default=0)}
+    for r in peers.values():
+        out[r.state] = out.get(r.state, 0) + 1
+    out["dht_nodes"] = dht.run_coroutine(_routing_table_size, return_future=True).result(timeout=timeout_s)
+    return out
+
+
+def remove_own_shm() -> None:
+    """hivemind's MPFuture keeps a torch shared-memory buffer named /dev/shm/torch_<our pid>_*; torch_shm_manager
+    removes it a few seconds after we exit, or never if it is killed first. Unlinking it ourselves at shutdown is
+    safe: our mapping stays valid until exit."""
+    for path in glob.glob(f"/dev/shm/torch_{os.getpid()}_*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _make_dht_class():
+    from gasloc.peer.safeproc import SafeDHT
+
+    class BootstrapDHT(SafeDHT):
+        def run(self) -> None:
+            # The fork inherits our SIGTERM handler, which would only set a flag in the child; give it back the
+            # default so DHT.shutdown()'s terminate() fallback works.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            super().run()
+
+    return BootstrapDHT
+
+
+def run(cfg: BootstrapConfig) -> int:
+    stop = threading.Event()
+    signals = {"n": 0}
+
+    def on_signal(signum, _frame):
+        signals["n"] += 1
+        if signals["n"] > 1:  # a second Ctrl+C: the operator does not want to wait for a clean shutdown
+            logger.warning("second_signal signal=%s exiting_now", signal.Signals(signum).name)
+            os._exit(EXIT_FAILED)  # the DHT child dies with us (PR_SET_PDEATHSIG)
+        logger.info("signal=%s shutting_down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    lock_fd = lock_identity(Path(cfg.identity_path))
+    from hivemind.p2p import P2PDaemonError
+
+    from gasloc.peer.membership import make_validators
+
+    _, validators = make_validators(cfg.run_id)
+    try:
+        dht = _make_dht_class()(
+            initial_peers=cfg.initial_peers or None, start=True, record_validators=validators,
+            host_maddrs=cfg.listen_maddrs, announce_maddrs=cfg.announce_maddrs or None,
+            identity_path=str(Path(cfg.identity_path).expanduser()), startup_timeout=cfg.startup_timeout_s)
+    except P2PDaemonError as e:
+        if "already taken" in str(e):
+            raise BootstrapError(f"identity {cfg.identity_path} is already used by a running node of this swarm; "
+                                 f"give this node its own key with --identity-path") from None
+        raise BootstrapError(f"p2pd failed to start: {e}; check --host-maddrs and that the port is free "
+                             f"(gasloc doctor --port {cfg.port})") from None
+    try:
+        peer_id = str(dht.peer_id)
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        for m in maddrs:
+            logger.info("listening maddr=%s", m)
+        if cfg.maddrs_file is not None:
+            write_maddrs_file(cfg.maddrs_file, peer_id, maddrs)
+            logger.info("maddrs_file=%s", cfg.maddrs_file)
+        emit_ready("bootstrap", peer_id, maddrs)
+        while not stop.is_set():
+            try:
+                size = swarm_size(dht, cfg.run_id, cfg.request_timeout_s)
+                logger.info("swarm run_id=%s %s", cfg.run_id, " ".join(f"{k}={v}" for k, v in size.items()))
+            except TimeoutError:
+                logger.warning("swarm_size_timeout run_id=%s timeout_s=%.1f", cfg.run_id, cfg.request_timeout_s)
+            stop.wait(cfg.log_interval_s)
+    finally:
+        dht.shutdown()
+        dht.join(5)
+        remove_own_shm()
+        os.close(lock_fd)
+    logger.info("stopped peer_id=%s", peer_id)
+    return EXIT_OK

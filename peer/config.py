@@ -1,0 +1,176 @@
+"""`gasloc peer`'s configuration: one pydantic tree, resolved as defaults < TOML < GASLOC_* env < flags
+(gasloc.config.resolve). Hyperparameters live in the sections of the components they configure (model, data,
+inner, outer, exchange, state_transfer, checkpoint); the peer's own sections are network (where it listens and
+whom it dials), swarm (membership, partner choice, joining), diloco (the all-reduce baseline) and run
+(directories, limits, device).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gasloc.maddrs import expand_initial_peers
+from gasloc.peer.checkpoint import CheckpointConfig
+from gasloc.peer.data import DataConfig
+from gasloc.peer.exchange import ExchangeConfig
+from gasloc.peer.inner import InnerConfig
+from gasloc.peer.model import ModelConfig
+from gasloc.peer.outer import OuterConfig
+from gasloc.peer.state_transfer import StateTransferConfig
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NetworkConfig(_Section):
+    """Where the peer listens and whom it dials first."""
+    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of running peers or bootstrap "
+                                     "nodes, or files listing them (one per line); empty: start a new swarm")
+    port: int = Field(0, ge=0, le=65535, description="TCP and UDP (QUIC) port to listen on, on every interface "
+                      "(0: any free port); ignored when host_maddrs is set")
+    host_maddrs: list[str] | None = Field(None, description="multiaddrs to listen on; unset: "
+                                          "/ip4/0.0.0.0/tcp/<port> and /ip4/0.0.0.0/udp/<port>/quic-v1 (every "
+                                          "interface, as a public host needs)")
+    announce_maddrs: list[str] = Field(default_factory=list, description="multiaddrs other peers should dial "
+                                       "(behind NAT or a port forward); empty: what libp2p observes")
+    identity_path: str | None = Field(None, description="file with this peer's private key (created if missing) "
+                                      "for a stable peer id; unset: a new random id each start")
+    startup_timeout_s: float = Field(30.0, gt=0, description="how long to wait for p2pd and the DHT to come up")
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _peers(cls, v: list[str]) -> list[str]:
+        return expand_initial_peers(v)
+
+    @field_validator("host_maddrs", "announce_maddrs")
+    @classmethod
+    def _maddrs(cls, v: list[str] | None) -> list[str] | None:
+        for m in v or ():
+            if not m.startswith("/"):
+                raise ValueError(f"{m!r} is not a multiaddr (like /ip4/0.0.0.0/tcp/31337)")
+        return v
+
+    @field_validator("announce_maddrs")
+    @classmethod
+    def _explicit_port(cls, v: list[str]) -> list[str]:
+        for m in v:
+            if re.search(r"/(tcp|udp)/0(/|$)", m):
+                raise ValueError(f"announce address {m!r} has port 0: peers cannot dial it; give the real port")
+        return v
+
+    @property
+    def listen_maddrs(self) -> list[str]:
+        if self.host_maddrs:
+            return list(self.host_maddrs)
+        return [f"/ip4/0.0.0.0/tcp/{self.port}", f"/ip4/0.0.0.0/udp/{self.port}/quic-v1"]
+
+
+class SwarmConfig(_Section):
+    """Membership in the run and how partners are found."""
+    run_id: str = Field("gasloc", description="name of the training run: peers of one run share its DHT key")
+    announce_ttl_s: float = Field(15.0, ge=1, description="a peer's record expires this long after its last "
+                                  "announcement (refreshed every ttl/3); also how long a dead peer stays listed")
+    partner_deadline_s: float = Field(10.0, gt=0, description="per round, how long to look for a partner before "
+                                      "a solo round")
+    retry_interval_s: float = Field(0.25, gt=0, description="pause between partner attempts when nobody is "
+                                    "available (incoming requests are accepted meanwhile)")
+    min_backoff_s: float = Field(2.0, gt=0, description="first backoff from a partner whose exchange failed")
+    max_backoff_s: float = Field(60.0, gt=0, description="longest backoff from a repeatedly failing partner")
+    busy_cooldown_s: float = Field(0.5, ge=0, description="skip a partner that answered busy for this long")
+    avoid_recent_partners: int = Field(1, ge=0, description="pass over this many most recent partners during "
+                                       "the first half of the partner search (peers that just exchanged become "
+                                       "ready together and would otherwise pair again and again)")
+    bandwidth_weighting: bool = Field(False, description="choose partners with probability proportional to "
+                                      "their measured bandwidth instead of uniformly")
+    join_from_peers: bool = Field(True, description="a peer joining a running swarm (and not resuming a "
+                                  "checkpoint) downloads the current parameters from a live peer")
+    join_timeout_s: float = Field(120.0, gt=0, description="give up downloading the state after this long and "
+                                  "start from a fresh model")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str) -> str:
+        if not _RUN_ID.match(v):
+            raise ValueError("run_id must be 1-64 letters, digits, '-' or '_'")
+        return v
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> "SwarmConfig":
+        if self.max_backoff_s < self.min_backoff_s:
+            raise ValueError(f"max_backoff_s {self.max_backoff_s} is below min_backoff_s {self.min_backoff_s}")
+        return self
+
+
+class DilocoConfig(_Section):
+    """outer.algorithm = "diloco": the exact all-reduce baseline through hivemind's DecentralizedAverager."""
+    max_group_size: int | None = Field(None, ge=2, description="cap on the averaging group; unset: every live "
+                                       "DiLoCo peer of the run")
+    matchmaking_time_s: float = Field(5.0, gt=0, description="how long a group waits for late members")
+    averaging_timeout_s: float = Field(60.0, gt=0, description="the whole averaging step (matchmaking + "
+                                       "all-reduce) must end within this; otherwise a solo round")
+    request_timeout_s: float = Field(3.0, gt=0, description="matchmaking request timeout (below "
+                                     "matchmaking_time_s)")
+    next_chunk_timeout_s: float = Field(10.0, gt=0, description="a groupmate silent this long is dropped")
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> "DilocoConfig":
+        if self.request_timeout_s >= self.matchmaking_time_s:
+            raise ValueError("request_timeout_s must be below matchmaking_time_s (hivemind deadlocks otherwise)")
+        if self.averaging_timeout_s <= self.matchmaking_time_s:
+            raise ValueError("averaging_timeout_s must exceed matchmaking_time_s")
+        return self
+
+
+class RunConfig(_Section):
+    """This process: where it writes, how long it runs, what it trains on."""
+    run_dir: Path | None = Field(None, description="metrics.jsonl and checkpoints go here; unset: "
+                                 "runs/<run_id>/peer (one peer per directory: a lock file enforces it)")
+    seed: int = Field(0, description="seed of the initial model; every peer of a run must use the same one")
+    max_rounds: int | None = Field(None, ge=1, description="stop after this many outer rounds; unset: run until "
+                                   "SIGINT/SIGTERM")
+    max_seconds: float | None = Field(None, gt=0, description="stop after this many seconds of training")
+    eval_every_rounds: int = Field(10, ge=1, description="validation loss every this many rounds (and at the "
+                                   "first and last)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present (bf16 "
+                                                   "autocast), else CPU (fp32)")
+    torch_threads: int | None = Field(None, ge=1, description="CPU threads for torch; unset: torch's default")
+
+
+class PeerConfig(_Section):
+    """Everything `gasloc peer` needs."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    inner: InnerConfig = Field(default_factory=InnerConfig)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+    exchange: ExchangeConfig = Field(default_factory=ExchangeConfig)
+    state_transfer: StateTransferConfig = Field(default_factory=StateTransferConfig)
+    checkpoint: CheckpointConfig | None = Field(default_factory=CheckpointConfig, description="periodic "
+                                                "checkpoints, and resuming from the newest valid one at start "
+                                                "(before any download from peers); null (GASLOC_CHECKPOINT=null or "
+                                                "--no-checkpoint): none")
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+    diloco: DilocoConfig = Field(default_factory=DilocoConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _communicating(self) -> "PeerConfig":
+        if self.outer.algorithm == "local":
+            raise ValueError("outer.algorithm 'local' never communicates: it runs in `gasloc sim`, not in a swarm")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.run_dir if self.run.run_dir is not None else Path("runs") / self.swarm.run_id / "peer"
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        if self.checkpoint is None:
+            return None
+        return self.checkpoint.dir if self.checkpoint.dir is not None else self.run_dir / "checkpoints"

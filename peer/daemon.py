@@ -1,0 +1,320 @@
+"""`gasloc peer`: one live peer's lifecycle, startup -> main_loop -> shutdown.
+
+Threads: the training loop runs in the main thread (which also owns the signal handlers and forks the DHT and
+averager children: their death signal is tied to it); the peer's asyncio work - DHT calls, announcements, the
+Exchanger, the state server - runs on a uvloop in its own thread (peer/aio.py). The training thread only waits on
+that loop where a round explicitly asks for it (finding a partner), always with a deadline.
+
+Failure semantics: a round's communication either completes and passes its checks (outcome ok, mixed in) or is
+skipped (a solo round: outer.apply(params, sent)); nothing waits for the swarm. SIGINT/SIGTERM set a flag: the
+current round finishes (or its exchange aborts at its deadline), a checkpoint is written if configured, the DHT
+record is withdrawn, and every child (DHT, p2pd, averager) is shut down before exit 0. A second signal exits at
+once (130); the children then die through their death signal (peer/safeproc.py).
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from gasloc.peer.config import PeerConfig
+from gasloc.peer.data import build_data, evaluate
+from gasloc.peer.inner import make_inner_optimizer, run_inner_phase
+from gasloc.peer.metrics import JsonlSink, MetricsSink, NullSink, peak_memory_mb
+from gasloc.peer.model import autocast_for, build_model, maybe_compile
+from gasloc.peer.outer import make_outer
+from gasloc.peer.round_report import RoundExchange, relative_distance
+from gasloc.peer.safeproc import remove_own_shm
+from gasloc.protocol.averaging import mix
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_ERROR, EXIT_FORCED = 0, 1, 130
+
+
+class PeerStartupError(RuntimeError):
+    """The peer cannot start (network, run directory, ...). The message is one line for the user."""
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise PeerStartupError("run.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+    return torch.device("cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def lock_run_dir(run_dir: Path):
+    """Hold an exclusive lock on <run_dir>/.lock for the peer's lifetime: two peers never share metrics or
+    checkpoints. The kernel drops the lock when the process dies, so a kill -9 leaves nothing stale."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = (run_dir / ".lock").open("a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise PeerStartupError(f"run directory {run_dir} is in use by another peer; give each peer its own "
+                               f"--run-dir") from None
+    return f
+
+
+class Peer:
+    def __init__(self, cfg: PeerConfig, sink: MetricsSink | None = None):
+        self.cfg = cfg
+        self.stopping = threading.Event()
+        self.stop_reason = "finished"
+        self._signals = 0
+        self._sink_override = sink
+        self.sink: MetricsSink = NullSink()
+        self.round = 0
+        self.inner_steps_total = 0
+        self.state = "joining"
+        self.throughput_tps = 0.0
+        self.bandwidth_bps = 0.0
+        self.peer_id = ""
+        self.net = None        # gasloc.peer.network.Network: DHT, p2p, membership, state server
+        self.averaging = None  # GossipAveraging | DilocoAveraging
+        self._lock_file = None
+        self._saved_round = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> int:
+        self._install_signals()
+        try:
+            self._startup()
+            if not self.stopping.is_set():
+                self._main_loop()
+        finally:
+            self._shutdown()
+        return EXIT_OK
+
+    def _install_signals(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            os.write(2, b"second signal: exiting now without a clean shutdown\n")
+            os._exit(EXIT_FORCED)
+        self.stop_reason = signal.Signals(signum).name
+        log.info("stopping signal=%s (send it again to exit at once)", self.stop_reason)
+        self.stopping.set()
+
+    def _startup(self) -> None:
+        from gasloc.peer.network import Network
+        from gasloc.procs import emit_ready
+
+        cfg = self.cfg
+        self.run_dir = cfg.run_dir
+        self._lock_file = lock_run_dir(self.run_dir)
+        self.sink = self._sink_override or JsonlSink(self.run_dir / "metrics.jsonl")
+        self.device = pick_device(cfg.run.device)
+        if cfg.run.torch_threads:
+            torch.set_num_threads(cfg.run.torch_threads)
+
+        # The DHT child is forked first, from the main thread, before the model exists: a small fork, and its
+        # death signal is tied to this thread.
+        self.net = Network(cfg, self)
+        self.net.start_dht()
+        self.peer_id = self.net.peer_id
+
+        try:
+            self.data, tok = build_data(cfg.data, cfg.model.seq_len, worker_seed=self.peer_id)
+        except ValueError as e:
+            raise PeerStartupError(f"data: {e}") from None
+        self.model = build_model(cfg.model, tok.vocab_size, seed=cfg.run.seed).to(self.device)
+        maybe_compile(self.model, cfg.model, self.device)
+        self.params = list(self.model.parameters())
+        self.opt = make_inner_optimizer(self.model, cfg.inner)
+        self.outer = make_outer(cfg.outer, self.params)
+        self.fingerprint = self.net.compute_fingerprint(self.model, tok.vocab_size)
+        self.tokenizer_name = cfg.data.tokenizer
+
+        self.averaging = self._make_averaging()  # DiLoCo forks its averager here (main thread)
+        self._install_signals()  # hivemind's averager start sets SIGINT to SIG_IGN in this process
+        self.net.start_services()
+        joined_from = self._resume_or_join()
+        self.net.publish_state()
+        self.net.start_state_server()
+        # what the exchange carries: the shapes of outer.outgoing (NoLoCo sends two tensors per parameter)
+        probe = make_outer(cfg.outer, self.params).outgoing(self.params)
+        self.averaging.start([(tuple(t.shape), t.dtype) for t in probe], self.fingerprint)
+        del probe
+        self._set_state("training", wait=True)
+
+        self.val_batches = self.data.val_batches()
+        initial_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
+        n_params = sum(p.numel() for p in self.params)
+        self.sink.emit("start", peer_id=self.peer_id, fingerprint=self.fingerprint,
+                       algorithm=cfg.outer.algorithm, initial_loss=initial_loss, joined_from=joined_from,
+                       round=self.round, num_params=n_params, device=str(self.device), maddrs=self.net.maddrs)
+        log.info("ready peer_id=%s round=%d initial_loss=%.4f joined_from=%s device=%s params=%d", self.peer_id,
+                 self.round, initial_loss, joined_from, self.device, n_params)
+        emit_ready("peer", self.peer_id, self.net.maddrs)
+
+    def _make_averaging(self):
+        if self.cfg.outer.algorithm == "diloco":
+            from gasloc.peer.diloco_swarm import DilocoAveraging
+            return DilocoAveraging(self.cfg, self.net, self.params, stopping=self.stopping)
+        from gasloc.peer.gossip_swarm import GossipAveraging
+        return GossipAveraging(self.cfg, self.net, stopping=self.stopping, set_state=self._set_state)
+
+    def _resume_or_join(self) -> str | None:
+        """Resume beats downloading: a checkpoint holds this peer's own inner-optimizer state and data position."""
+        loaded = self._load_checkpoint()
+        if loaded is not None:
+            self.round = self._saved_round = loaded.round
+            self.data.load_state_dict(loaded.data_state)
+            self.inner_steps_total = int(loaded.meta.get("inner_steps", 0))
+            return "checkpoint"
+        if not self.cfg.swarm.join_from_peers or self.stopping.is_set():
+            return None
+        got = self.net.download_state(self.params, self.outer)
+        if got is None:
+            return None
+        donor, metadata, params, outer_state = got
+        with torch.no_grad():
+            for p, t in zip(self.params, params):
+                p.copy_(t.to(p.device))
+        if outer_state:
+            self.outer.load_state_dict({k: v.to(self.device) for k, v in outer_state.items()}, self.params)
+        else:
+            self.outer.reset(self.params)
+        self.round = int(metadata.get("round", 0))
+        return donor
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_cfg(self):
+        if self.cfg.checkpoint is None:
+            return None
+        return self.cfg.checkpoint.model_copy(update={"dir": self.cfg.checkpoint_dir})
+
+    def _load_checkpoint(self):
+        from gasloc.peer.checkpoint import load_latest
+        ck = self._checkpoint_cfg()
+        if ck is None:
+            return None
+        return load_latest(ck, model=self.model, inner_opt=self.opt, outer=self.outer, fingerprint=self.fingerprint)
+
+    def _save_checkpoint(self) -> None:
+        from gasloc.peer.checkpoint import save_checkpoint
+        path = save_checkpoint(self._checkpoint_cfg(), model=self.model, inner_opt=self.opt, outer=self.outer,
+                               data_state=self.data.state_dict(), round=self.round, fingerprint=self.fingerprint,
+                               meta={"inner_steps": self.inner_steps_total, "tokenizer": self.tokenizer_name,
+                                     "peer_id": self.peer_id, "model": self.cfg.model.model_dump(mode="json")})
+        log.info("checkpoint round=%d path=%s", self.round, path)
+        self._saved_round = self.round
+
+    def _main_loop(self) -> None:
+        t0 = time.monotonic()
+        max_rounds, max_s = self.cfg.run.max_rounds, self.cfg.run.max_seconds
+        rounds_done = 0
+        while not self.stopping.is_set():
+            if max_rounds is not None and rounds_done >= max_rounds:
+                break
+            if max_s is not None and time.monotonic() - t0 >= max_s:
+                break
+            self._one_round()
+            rounds_done += 1
+
+    def _one_round(self) -> None:
+        cfg = self.cfg
+        t_start = time.monotonic()
+        self._set_state("training")
+        steps, loss = run_inner_phase(self.model, self.opt, self.data.next_batch, self.inner_steps_total, cfg.inner,
+                                      self.device, autocast_for(self.device), should_stop=self.stopping.is_set)
+        self.inner_steps_total += steps
+        compute_s = time.monotonic() - t_start
+        tokens = steps * cfg.data.batch_size * cfg.model.seq_len
+        if steps:
+            self.throughput_tps = tokens / max(compute_s, 1e-9)
+
+        sent = self.outer.outgoing(self.params)
+        if self.stopping.is_set():
+            ex = RoundExchange(outcome="solo", detail="stopping")
+        else:
+            ex = self.averaging.average([t.detach().to("cpu") for t in sent], self.round, self.live_count)
+        if ex.ok and ex.bytes_received and ex.exchange_s > 0:
+            # per-direction bytes/s of the last good exchange, smoothed: what partners weigh us by
+            bw = ex.bytes_received / ex.exchange_s
+            self.bandwidth_bps = bw if self.bandwidth_bps == 0 else 0.7 * self.bandwidth_bps + 0.3 * bw
+
+        t_outer = time.monotonic()
+        consensus = None
+        if ex.ok:
+            received = [t.to(self.device) for t in ex.received]
+            consensus = relative_distance(sent, received)
+            mixed = mix(sent, [received], cfg.outer.mix_weight) if ex.kind == "pair" else received
+        else:
+            mixed = sent  # solo round: mix is the identity, the outer momentum still applies
+        self.outer.apply(self.params, mixed)
+        outer_s = time.monotonic() - t_outer
+        self.round += 1
+        self.net.publish_state()
+
+        val_loss = None
+        if self.round % cfg.run.eval_every_rounds == 0 or self.round == 1:
+            val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
+        round_s = time.monotonic() - t_start
+        outcome = ex.outcome if ex.ok or ex.attempts else "solo"
+        self.sink.emit(
+            "round", peer_id=self.peer_id, round=self.round, inner_steps=steps, total_inner_steps=self.inner_steps_total,
+            loss=loss, val_loss=val_loss, outcome=outcome, partner=ex.partner, group_size=ex.group_size,
+            bytes_sent=ex.bytes_sent, bytes_received=ex.bytes_received, exchange_s=ex.exchange_s,
+            consensus=consensus, compute_s=compute_s, wait_s=ex.wait_s, transfer_s=ex.transfer_s, outer_s=outer_s,
+            round_s=round_s, tokens_per_s=self.throughput_tps, peak_mem_mb=peak_memory_mb(self.device),
+            attempts=ex.attempts, live_peers=self.live_count(), detail=ex.detail or None)
+        log.info("round=%d loss=%.4f%s partner=%s outcome=%s MB=%.2f s=%.2f exchange_s=%.2f", self.round, loss,
+                 f" val_loss={val_loss:.4f}" if val_loss is not None else "", _short(ex.partner), outcome,
+                 (ex.bytes_sent + ex.bytes_received) / 1e6, round_s, ex.exchange_s)
+        if cfg.checkpoint is not None and self.round % cfg.checkpoint.every_rounds == 0:
+            self._save_checkpoint()
+
+    # ------------------------------------------------------------------ state shared with the network side
+    def live_count(self) -> int:
+        return len(self.net.live) if self.net is not None else 0
+
+    def _set_state(self, state: str, announce: bool = True, wait: bool = False) -> None:
+        if state != self.state:
+            self.state = state
+            if announce:
+                self.net.announce(wait=wait)
+
+    def snapshot(self) -> tuple[dict, list[torch.Tensor]]:
+        """A copy of what a joiner downloads, taken at a round boundary (params == the outer anchor), on the CPU:
+        metadata and the parameters followed by the outer state (metadata["num_outer"] of them)."""
+        params = [p.detach().to("cpu", copy=True) for p in self.params]
+        outer_state = [v.detach().to("cpu", copy=True) for v in self.outer.state_dict().values()]
+        return {"round": self.round, "num_outer": len(outer_state), "peer_id": self.peer_id}, params + outer_state
+
+    def _shutdown(self) -> None:
+        # every round ends with outer.apply, so the state here is at a round boundary: safe to checkpoint
+        if self.averaging is not None and self.cfg.checkpoint is not None and self.round > self._saved_round:
+            _step("checkpoint", self._save_checkpoint)
+        if self.averaging is not None:
+            _step("averaging.close", self.averaging.close)
+        if self.net is not None:
+            _step("network.close", self.net.close)
+        remove_own_shm()
+        self.sink.emit("stop", peer_id=self.peer_id, round=self.round, reason=self.stop_reason)
+        self.sink.close()
+        if self._lock_file is not None:
+            self._lock_file.close()
+        log.info("stopped peer_id=%s round=%d reason=%s", self.peer_id, self.round, self.stop_reason)
+
+
+def _step(name: str, fn) -> None:
+    """Run one shutdown step; a failure is logged and the remaining steps still run (every child must go)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - shutdown must continue past any one failure
+        log.warning("shutdown_step_failed step=%s error=%s: %s", name, type(e).__name__, e)
+
+
+def _short(peer_id: str | None) -> str:
+    return "-" if not peer_id else (peer_id if len(peer_id) <= 12 else f"{peer_id[:6]}…{peer_id[-4:]}")

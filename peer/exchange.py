@@ -1,0 +1,413 @@
+"""The pairwise, full-duplex tensor exchange of one gossip round, over a hivemind p2pd raw binary stream.
+
+Protocol on one stream (initiator I, responder R):
+
+    I -> R  ExchangeRequest header (fingerprint, wire dtype, specs, total_bytes); nothing else until R answers
+    R -> I  ExchangeReply header: a Code; with OK, R's own specs        (I waits at most accept_timeout_s)
+    I <-> R both payloads at once, raw, straight into preallocated tensors
+    I <-> R one verdict byte each: OK, or why the partner's tensors were discarded (NOT_FINITE)
+
+Failure semantics (what the daemon may rely on):
+- An exchange is `ok` only if both payloads arrived whole, ours passed the partner's checks and theirs passed ours
+  (the verdict bytes). Anything else returns tensors=None: a half-received partner state is never returned, and the
+  offered tensors are never written to.
+- Everything a partner declares is validated before a byte of payload is buffered: version, fingerprint, live
+  membership, wire dtype, declared size <= max_message_bytes, tensor count, shapes and dtypes; values are checked
+  finite after receipt. Receive buffers are sized from OUR specs, so memory is bounded by our own model size.
+- Every wait has a deadline: accept_timeout_s for the handshake, exchange_timeout_s for the whole exchange. A
+  partner killed with kill -9 is seen at once (p2pd resets the stream); a silent one at the deadline.
+- One exchange per offer: a responder accepts only while it has an unused offer and is not engaged, else BUSY.
+  Two peers that call each other at the same moment both get BUSY (each is engaged as initiator); the daemon
+  retries with another partner or after a random backoff.
+- Remaining asymmetry (two generals): each side sends its verdict and then reads the partner's. If the stream dies
+  after one verdict was delivered and before the other was, one side returns ok and the other failed. The window
+  is one byte's flight time; the daemon treats a failed exchange as a solo round, so the swarm mean drifts slightly
+  for one round and nothing is corrupted. `withdraw()` never opens this window: it cancels an incoming exchange
+  only before our verdict is sent and waits for one that is past it. Do not cancel `exchange()` from outside (it
+  has its own deadline): a cancellation after our verdict went out is the same asymmetric case.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gasloc.peer.channel import STREAM_ERRORS, Channel, read_header
+from gasloc.peer.tensor_io import byte_view, finish_received, in_thread, to_wire, torch_dtype
+from gasloc.protocol.codes import Code
+from gasloc.protocol.messages import (PROTOCOL_VERSION, ExchangeReply, ExchangeRequest, TensorSpec, payload_bytes)
+from gasloc.protocol.wire import WireError, check_reply, check_request, encode_header
+
+logger = logging.getLogger(__name__)
+
+SpecLike = TensorSpec | tuple[Sequence[int], Any]
+
+
+class ExchangeConfig(BaseModel):
+    """How one peer exchanges tensors with a partner."""
+    model_config = ConfigDict(extra="forbid")
+
+    exchange_timeout_s: float = Field(30.0, gt=0, description="deadline of a whole exchange, handshake included")
+    accept_timeout_s: float = Field(2.0, gt=0, description="how long an initiator waits for accept/busy, and a "
+                                    "responder for the request header")
+    wire_dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32", description="dtype of our tensors on the wire; received tensors are cast back to the model dtype")
+    max_message_bytes: int | None = Field(None, gt=0, description="cap on the payload a partner may declare; "
+                                          "default: our own tensors at float32, the most a compatible peer sends")
+    chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="bytes per write before waiting for the "
+                             "stream buffer to drain")
+
+    @model_validator(mode="after")
+    def _accept_within_exchange(self) -> "ExchangeConfig":
+        if self.accept_timeout_s > self.exchange_timeout_s:
+            raise ValueError(f"accept_timeout_s ({self.accept_timeout_s}) must not exceed exchange_timeout_s "
+                             f"({self.exchange_timeout_s})")
+        return self
+
+
+class Outcome(str, Enum):
+    ok = "ok"
+    busy = "busy"            # the partner (or we) had no free offer: try someone else
+    timeout = "timeout"      # a deadline passed
+    rejected = "rejected"    # a validation failed on either side; `code` says which
+    failed = "failed"        # the stream broke (partner died, p2pd error, garbage mid-stream)
+
+
+@dataclass
+class ExchangeResult:
+    outcome: Outcome
+    partner: str | None
+    code: Code | None
+    tensors: list[torch.Tensor] | None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    detail: str = ""
+    role: Literal["initiator", "responder"] = "initiator"
+    round: int = -1           # our round of the offer this exchange used
+    partner_round: int = -1
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.ok
+
+    def log_line(self) -> str:
+        code = self.code.name if self.code is not None else "-"
+        return (f"role={self.role} round={self.round} partner={self.partner} outcome={self.outcome.value} "
+                f"code={code} sent_mb={self.bytes_sent / 1e6:.1f} recv_mb={self.bytes_received / 1e6:.1f} "
+                f"seconds={self.seconds:.3f} detail={self.detail!r}")
+
+
+@dataclass
+class _Engagement:
+    """The exchange we are part of right now (at most one)."""
+    role: Literal["initiator", "responder"]
+    partner: str
+    task: asyncio.Task | None
+    verdict_sent: bool = False      # past this point cancelling could leave the partner with a one-sided mix
+
+    def __str__(self) -> str:
+        return f"{self.role}:{self.partner}"
+
+
+@dataclass
+class _Offer:
+    tensors: list[torch.Tensor]
+    round: int
+    used: bool = False
+    wire: list[torch.Tensor] | None = None
+    wire_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+
+
+def _failure(exc: BaseException, phase: str) -> tuple[Outcome, Code | None, str]:
+    if isinstance(exc, TimeoutError):
+        return Outcome.timeout, Code.TIMEOUT, f"deadline passed during {phase}"
+    if isinstance(exc, WireError):
+        return Outcome.rejected, exc.code, f"{phase}: {exc}"
+    return Outcome.failed, None, f"{phase}: {type(exc).__name__}: {exc}"
+
+
+class Exchanger:
+    """Serves and initiates exchanges of the currently offered tensors. Call every method from the event loop."""
+
+    def __init__(self, cfg: ExchangeConfig, p2p: P2P, *, specs: Sequence[SpecLike], fingerprint: str,
+                 is_member: Callable[[PeerID], bool], namespace: str):
+        self.cfg, self.p2p = cfg, p2p
+        self.specs = [s if isinstance(s, TensorSpec) else TensorSpec.of(*s) for s in specs]
+        self.fingerprint, self.is_member = fingerprint, is_member
+        self.handler_name = f"{namespace}::gasloc.exchange.v{PROTOCOL_VERSION}"
+        self.max_message_bytes = cfg.max_message_bytes or payload_bytes(self.specs, "float32")
+        self._local_dtypes = [torch_dtype(s.dtype) for s in self.specs]
+        self._offer: _Offer | None = None
+        self._engagement: _Engagement | None = None
+        self._handlers: set[asyncio.Task] = set()
+        self._incoming: asyncio.Queue[ExchangeResult] = asyncio.Queue()
+        self._started = False
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(self.handler_name, self._handle)
+        self._started = True
+
+    async def stop(self) -> None:
+        await self.withdraw()
+        for task in list(self._handlers):
+            task.cancel()
+        if self._started:
+            self._started = False
+            try:
+                await asyncio.wait_for(self.p2p.remove_binary_stream_handler(self.handler_name), 5.0)
+            except (TimeoutError, *STREAM_ERRORS, KeyError) as e:
+                logger.debug(f"remove_handler name={self.handler_name} error={type(e).__name__}: {e}")
+
+    # ---- round API ----
+
+    def offer(self, tensors: Sequence[torch.Tensor], round: int) -> None:
+        """Ready for one exchange this round with these outgoing tensors (not copied: keep them unchanged until
+        withdraw()). Call `await withdraw()` at the end of the previous round first; results that round left
+        uncollected are dropped here with a warning."""
+        if len(tensors) != len(self.specs):
+            raise ValueError(f"offer of {len(tensors)} tensors, the exchanger expects {len(self.specs)}")
+        for i, (t, s) in enumerate(zip(tensors, self.specs)):
+            if tuple(t.shape) != s.shape or str(t.dtype).removeprefix("torch.") != s.dtype:
+                raise ValueError(f"offered tensor {i} is {tuple(t.shape)} {t.dtype}, expected {s.shape} {s.dtype}")
+        if self._engagement is not None:
+            raise RuntimeError(f"offer() while engaged ({self._engagement}); await withdraw() first")
+        while not self._incoming.empty():
+            dropped = self._incoming.get_nowait()
+            if dropped.ok:
+                logger.warning(f"offer round={round}: dropped an uncollected successful incoming exchange with "
+                               f"partner={dropped.partner} (call withdraw() at the end of each round)")
+        self._offer = _Offer([t.detach().contiguous() for t in tensors], round)
+
+    async def withdraw(self) -> list[ExchangeResult]:
+        """End of round: stop accepting and return the incoming results not collected with wait_incoming (an ok one
+        means the partner mixed with us, so use it). An incoming exchange in flight is cancelled if our verdict
+        is not out yet (the partner then fails too), else awaited: it ends within about one round trip."""
+        self._offer = None
+        eng = self._engagement
+        if eng is not None and eng.role == "responder" and eng.task is not None and not eng.task.done():
+            if not eng.verdict_sent:
+                eng.task.cancel()
+            await asyncio.wait([eng.task])     # never raises; a cancelled responder queues no result
+        left = []
+        while not self._incoming.empty():
+            left.append(self._incoming.get_nowait())
+        return left
+
+    @property
+    def engaged(self) -> str | None:
+        """"initiator:<peer>" or "responder:<peer>" while an exchange is in flight, else None."""
+        return None if self._engagement is None else str(self._engagement)
+
+    async def wait_incoming(self, timeout: float) -> ExchangeResult | None:
+        """The next finished exchange where we were the responder (any outcome), or None after `timeout` s."""
+        if timeout <= 0:
+            return None if self._incoming.empty() else self._incoming.get_nowait()
+        try:
+            return await asyncio.wait_for(self._incoming.get(), timeout)
+        except TimeoutError:
+            return None
+
+    async def exchange(self, peer_id: PeerID) -> ExchangeResult:
+        """Initiate an exchange of the offered tensors with `peer_id`. Never raises for network or partner
+        errors: the result's outcome says what happened."""
+        offer = self._offer
+        if offer is None:
+            raise RuntimeError("Exchanger.exchange() called without an offer(); call offer() first")
+        partner = str(peer_id)
+        t0 = time.monotonic()
+
+        def result(outcome: Outcome, code: Code | None, detail: str, ch: Channel | None = None,
+                   tensors=None, partner_round: int = -1) -> ExchangeResult:
+            r = ExchangeResult(outcome, partner, code, tensors, ch.bytes_written if ch else 0,
+                               ch.bytes_read if ch else 0, time.monotonic() - t0, detail, "initiator",
+                               offer.round, partner_round)
+            logger.log(logging.INFO if r.ok else logging.DEBUG, f"exchange {r.log_line()}")
+            return r
+
+        if offer.used or self._engagement is not None:
+            why = "our offer was already used this round" if offer.used else f"we are engaged ({self._engagement})"
+            return result(Outcome.busy, Code.BUSY, f"local: {why}")
+        if not self.is_member(peer_id):
+            return result(Outcome.rejected, Code.NOT_MEMBER, "local: partner is not a live member")
+        eng = self._engagement = _Engagement("initiator", partner, asyncio.current_task())
+        ch: Channel | None = None
+        phase = "connect"
+        try:
+            async with asyncio.timeout(self.cfg.exchange_timeout_s):
+                async with asyncio.timeout(self.cfg.accept_timeout_s):
+                    _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, self.handler_name)
+                    ch = Channel.take_over(reader, writer)
+                    phase = "handshake"
+                    request = ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint=self.fingerprint,
+                                              round=offer.round, wire_dtype=self.cfg.wire_dtype,
+                                              specs=tuple(self.specs),
+                                              total_bytes=payload_bytes(self.specs, self.cfg.wire_dtype))
+                    await ch.write(encode_header(request))
+                    reply = await read_header(ch, ExchangeReply)
+                code, why = check_reply(reply, expected_specs=self.specs, fingerprint=self.fingerprint,
+                                        max_bytes=self.max_message_bytes)
+                if code == Code.BUSY:
+                    return result(Outcome.busy, code, f"partner: {why}", ch)
+                if code != Code.OK:
+                    return result(Outcome.rejected, code, why, ch)
+                phase = "transfer"
+                tensors, code, why = await self._duplex(ch, offer, reply.wire_dtype, eng)
+                if code != Code.OK:
+                    return result(Outcome.rejected, code, why, ch)
+                offer.used = True
+                return result(Outcome.ok, Code.OK, "", ch, tensors, reply.round)
+        except (TimeoutError, WireError, *STREAM_ERRORS) as e:
+            outcome, code, detail = _failure(e, phase)
+            return result(outcome, code, detail, ch)
+        finally:
+            self._engagement = None
+            if ch is not None:
+                ch.close()
+
+    # ---- responder ----
+
+    async def _handle(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._handlers.add(task)
+        ch = Channel.take_over(reader, writer)
+        try:
+            await self._respond(ch, stream_info.peer_id)
+        except asyncio.CancelledError:
+            # withdraw()/stop() cancelled us. This task belongs to asyncio's unix server, whose done-callback
+            # logs a cancelled handler as an error; the cancellation ends here, at the top of the task.
+            logger.debug(f"exchange role=responder partner={stream_info.peer_id} cancelled")
+        finally:
+            self._handlers.discard(task)
+            ch.close()
+
+    async def _reply(self, ch: Channel, partner: str, code: Code, message: str) -> None:
+        logger.debug(f"exchange role=responder partner={partner} answer={code.name} detail={message!r}")
+        reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(code), message=message[:500],
+                              fingerprint=self.fingerprint)
+        try:
+            async with asyncio.timeout(self.cfg.accept_timeout_s):
+                await ch.write(encode_header(reply))
+            await ch.discard_until_eof(timeout=min(1.0, self.cfg.accept_timeout_s))
+        except (TimeoutError, *STREAM_ERRORS) as e:
+            logger.debug(f"exchange role=responder partner={partner} reply_failed={type(e).__name__}")
+
+    async def _respond(self, ch: Channel, peer_id: PeerID) -> None:
+        partner = str(peer_id)
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.cfg.accept_timeout_s):
+                request = await read_header(ch, ExchangeRequest)
+        except WireError as e:
+            return await self._reply(ch, partner, e.code, str(e))
+        except (TimeoutError, *STREAM_ERRORS) as e:
+            logger.debug(f"exchange role=responder partner={partner} no_request={type(e).__name__}: {e}")
+            return
+        if not self.is_member(peer_id):
+            return await self._reply(ch, partner, Code.NOT_MEMBER, "you are not a live member of this run")
+        code, why = check_request(request, expected_specs=self.specs, fingerprint=self.fingerprint,
+                                  max_bytes=self.max_message_bytes)
+        if code != Code.OK:
+            return await self._reply(ch, partner, code, why)
+        offer = self._offer
+        if offer is None or offer.used or self._engagement is not None:
+            return await self._reply(ch, partner, Code.BUSY, "no free offer" if self._engagement is None
+                                     else "engaged in another exchange")
+        # accepted: from here until the finally, nobody else can engage us (no await between check and set)
+        eng = self._engagement = _Engagement("responder", partner, asyncio.current_task())
+        outcome, code, detail, tensors = Outcome.failed, None, "", None
+        phase = "accept"
+        try:
+            async with asyncio.timeout(self.cfg.exchange_timeout_s):
+                reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(Code.OK), fingerprint=self.fingerprint,
+                                      round=offer.round, wire_dtype=self.cfg.wire_dtype, specs=tuple(self.specs),
+                                      total_bytes=payload_bytes(self.specs, self.cfg.wire_dtype))
+                await ch.write(encode_header(reply))
+                phase = "transfer"
+                tensors, code, detail = await self._duplex(ch, offer, request.wire_dtype, eng)
+                outcome = Outcome.ok if code == Code.OK else Outcome.rejected
+        except (TimeoutError, WireError, *STREAM_ERRORS) as e:
+            outcome, code, detail = _failure(e, phase)
+        finally:
+            self._engagement = None
+        if outcome is Outcome.ok:
+            offer.used = True
+        r = ExchangeResult(outcome, partner, code, tensors if outcome is Outcome.ok else None, ch.bytes_written,
+                           ch.bytes_read, time.monotonic() - t0, detail, "responder", offer.round, request.round)
+        logger.log(logging.INFO if r.ok else logging.DEBUG, f"exchange {r.log_line()}")
+        self._incoming.put_nowait(r)     # collected by wait_incoming() or withdraw()
+
+    # ---- both roles ----
+
+    async def _wire_tensors(self, offer: _Offer) -> list[torch.Tensor]:
+        """The offered tensors in our wire dtype, cast once per offer in a worker thread."""
+        async with offer.wire_lock:
+            if offer.wire is None:
+                if all(str(t.dtype).removeprefix("torch.") == self.cfg.wire_dtype for t in offer.tensors):
+                    offer.wire = offer.tensors
+                else:
+                    offer.wire = await in_thread(lambda: [to_wire(t, self.cfg.wire_dtype) for t in offer.tensors])
+            return offer.wire
+
+    async def _duplex(self, ch: Channel, offer: _Offer, their_wire_dtype: str, eng: _Engagement
+                      ) -> tuple[list[torch.Tensor] | None, Code, str]:
+        """Send ours and receive theirs at once, then trade verdicts. Returns (tensors, OK, "") only when both
+        sides accepted; otherwise (None, the code, why)."""
+        ours = await self._wire_tensors(offer)
+        loop = asyncio.get_running_loop()
+        # sized from OUR specs (validated equal to theirs): a partner cannot make us allocate more
+        bufs = [torch.empty(s.shape, dtype=torch_dtype(their_wire_dtype)) for s in self.specs]
+        finishing: list[asyncio.Future] = []
+
+        async def send() -> None:
+            for t in ours:
+                await ch.write(byte_view(t), self.cfg.chunk_bytes)
+
+        async def receive() -> None:
+            for buf, dtype in zip(bufs, self._local_dtypes):
+                await ch.readinto(byte_view(buf))
+                # cast + finiteness check of tensor i overlaps the receipt of tensor i+1
+                finishing.append(loop.run_in_executor(None, finish_received, buf, dtype))
+
+        await _both(send(), receive())
+        finished = await asyncio.gather(*finishing)
+        tensors = [t for t, _ in finished]
+        bad = [i for i, (_, ok) in enumerate(finished) if not ok]
+        verdict = Code.NOT_FINITE if bad else Code.OK
+        eng.verdict_sent = True
+        await ch.write(bytes([verdict]))
+        theirs = Code.parse((await ch.readexactly(1))[0])
+        if verdict != Code.OK:
+            return None, verdict, f"partner sent non-finite values in tensor(s) {bad[:5]}"
+        if theirs != Code.OK:
+            return None, theirs, f"partner rejected our tensors: {theirs.voice}"
+        return tensors, Code.OK, ""
+
+
+async def _both(a, b) -> None:
+    """Run two coroutines concurrently; if one fails, cancel the other and raise the first error."""
+    tasks = [asyncio.ensure_future(a), asyncio.ensure_future(b)]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        # retrieve results of cancelled tasks so asyncio does not log "exception was never retrieved"
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,132 @@
+"""GASLoC's round communication in the live swarm: randomized pairwise exchange, never a wait for the swarm.
+
+One round, as this peer sees it:
+  1. offer our outgoing tensors to the Exchanger and announce state "exchanging" (others now may call us);
+  2. until swarm.partner_deadline_s passes: take an incoming exchange if one finished; else pick a random partner
+     among the live peers in state "exchanging" (uniform, or weighted by measured bandwidth), skipping those in
+     backoff (and, in the first half of the search, our most recent partner), and call it. BUSY -> a short
+     cooldown for that partner and a random pause (two peers that called each other at the same moment both got
+     BUSY); timeout/failed/rejected -> exponential backoff;
+  3. withdraw the offer. An incoming exchange that completed meanwhile is still used: the partner mixed with us,
+     so we mix with it too (that keeps the pair's mean).
+No partner by the deadline, or no other live peer at all, is a solo round. An exchange already running when the
+deadline (or a shutdown request) comes is allowed to finish within its own deadline (exchange.exchange_timeout_s).
+
+The listing of who is ready comes from the background lister (peer/network.py): the search never waits on the DHT.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import time
+from collections.abc import Callable
+
+import torch
+from hivemind.p2p import PeerID
+
+from gasloc.peer.exchange import ExchangeResult, Exchanger, Outcome
+from gasloc.peer.partners import Backoff, peers_to_avoid, pick_partner
+from gasloc.peer.round_report import RoundExchange
+
+log = logging.getLogger(__name__)
+
+LISTING_MAX_AGE_S = 0.3  # while looking for a partner, ask for a listing at most this stale (in the background)
+
+
+class GossipAveraging:
+    def __init__(self, cfg, net, *, stopping, set_state: Callable[[str], None]):
+        self.cfg, self.net, self.stopping, self.set_state = cfg, net, stopping, set_state
+        sw = cfg.swarm
+        self.backoff = Backoff(sw.min_backoff_s, sw.max_backoff_s, sw.busy_cooldown_s)
+        self.rng = random.Random()  # partner choice must differ between peers: seeded from the OS
+        self.recent: collections.deque[str] = collections.deque(maxlen=sw.avoid_recent_partners)
+        self.exchanger: Exchanger | None = None
+
+    def start(self, specs: list[tuple[tuple[int, ...], torch.dtype]], fingerprint: str) -> None:
+        self.exchanger = Exchanger(self.cfg.exchange, self.net.p2p, specs=specs, fingerprint=fingerprint,
+                                   is_member=self.net.is_member, namespace=self.cfg.swarm.run_id)
+        self.net.aio.run(self.exchanger.start(), self.cfg.network.startup_timeout_s)
+
+    def average(self, sent: list[torch.Tensor], round: int, live_count: Callable[[], int]) -> RoundExchange:
+        """Blocks the training thread for at most partner_deadline_s plus one exchange's deadline."""
+        limit = self.cfg.swarm.partner_deadline_s + self.cfg.exchange.exchange_timeout_s + 10
+        try:
+            return self.net.aio.run(self._average(sent, round), limit)
+        except TimeoutError:  # every await inside has its own deadline; reaching this one is a bug, made visible
+            log.error("round=%d partner search overran its %.0f s limit; solo round", round, limit)
+            return RoundExchange(outcome="failed", detail="partner search overran its limit")
+
+    async def _average(self, sent: list[torch.Tensor], round: int) -> RoundExchange:
+        ex, sw = self.exchanger, self.cfg.swarm
+        t0 = time.monotonic()
+        deadline = t0 + sw.partner_deadline_s
+        report = RoundExchange()
+        ex.offer(sent, round)
+        self.set_state("exchanging")  # offer first: whoever sees the announcement may call us at once
+        try:
+            while True:
+                if self._take(await ex.wait_incoming(0), report):
+                    break
+                now = time.monotonic()
+                if now >= deadline or self.stopping.is_set():
+                    if (ex.engaged or "").startswith("responder"):
+                        # a partner is mid-exchange with us: let it finish (bounded by its own deadline) rather
+                        # than cut it off - the bytes are already moving and both sides would lose the round
+                        self._take(await ex.wait_incoming(self.cfg.exchange.exchange_timeout_s + 1), report)
+                    break
+                if not self.net.live:
+                    break  # alone in the run: nobody can become ready, so waiting would only slow us down
+                self.net.request_listing(max_age_s=LISTING_MAX_AGE_S)
+                ready = self.net.ready_peers()
+                self.backoff.forget_absent(self.net.live)
+                avoid = peers_to_avoid(self.recent, self.net.live, now - t0, sw.partner_deadline_s)
+                partner = pick_partner({p: r.bandwidth_bps for p, r in ready.items()}, self.backoff, now, self.rng,
+                                       weighted=sw.bandwidth_weighting, avoid=avoid)
+                if partner is None:
+                    pause = min(sw.retry_interval_s, max(deadline - time.monotonic(), 0.0))
+                    if self._take(await ex.wait_incoming(pause), report):
+                        break
+                    continue
+                res = await ex.exchange(PeerID.from_base58(partner))
+                if self._take(res, report):
+                    break
+                if res.outcome is Outcome.busy:
+                    if not res.detail.startswith("local"):
+                        self.backoff.busy(partner, time.monotonic())
+                    pause = self.rng.uniform(0, sw.retry_interval_s)
+                    if self._take(await ex.wait_incoming(pause), report):
+                        break
+                else:
+                    delay = self.backoff.failed(partner, time.monotonic(), self.rng)
+                    log.info("round=%d partner=%s outcome=%s backoff_s=%.1f detail=%s", round, partner,
+                             res.outcome.value, delay, res.detail)
+        finally:
+            for res in await ex.withdraw():
+                if res.ok and not report.ok:
+                    self._take(res, report)
+        report.wait_s = time.monotonic() - t0 - report.transfer_s
+        return report
+
+    def _take(self, res: ExchangeResult | None, report: RoundExchange) -> bool:
+        """Fold one exchange result into the round's report; True when it succeeded (the round has its partner)."""
+        if res is None:
+            return False
+        report.attempts += 1
+        report.partner, report.outcome, report.detail = res.partner, res.outcome.value, res.detail
+        report.bytes_sent += res.bytes_sent
+        report.bytes_received += res.bytes_received
+        report.exchange_s = res.seconds
+        if res.partner:
+            report.partners_tried.append(res.partner)
+        if not res.ok:
+            return False
+        report.received, report.kind, report.group_size = res.tensors, "pair", 2
+        self.backoff.succeeded(res.partner)
+        if self.recent.maxlen:
+            self.recent.append(res.partner)
+        return True
+
+    def close(self) -> None:
+        if self.exchanger is not None:
+            self.net.aio.run(self.exchanger.stop(), 10)

@@ -1,0 +1,214 @@
+"""The peer's network side: one DHT (and so one p2pd) per peer, the p2p replica that the Exchanger and the state
+server use, the membership record and its refresh, and the state download of a joining peer.
+
+Every coroutine here runs on the peer's event loop (peer/aio.py); the methods without `async` are called from the
+training thread and hand work to that loop with a deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from hivemind.p2p import PeerID
+
+from gasloc.peer.aio import LoopThread
+from gasloc.peer.membership import Membership, PeerRecord, make_validators
+from gasloc.peer.safeproc import SafeDHT
+from gasloc.protocol.messages import PROTOCOL_VERSION, fingerprint
+
+if TYPE_CHECKING:
+    from gasloc.peer.config import PeerConfig
+    from gasloc.peer.daemon import Peer
+
+log = logging.getLogger(__name__)
+
+LIST_PERIOD_S = 1.0   # how often the live-peer cache is refreshed (a DHT get costs ~20 ms on a healthy swarm)
+
+
+async def _make_events() -> tuple[asyncio.Event, asyncio.Event]:
+    return asyncio.Event(), asyncio.Event()  # created on the loop that waits on them
+
+
+class Network:
+    def __init__(self, cfg: PeerConfig, peer: Peer):
+        self.cfg, self.peer = cfg, peer
+        self.dht: SafeDHT | None = None
+        self.aio: LoopThread | None = None
+        self.p2p = None
+        self.membership: Membership | None = None
+        self.state_server = None
+        self.live: dict[str, PeerRecord] = {}      # compatible live peers, as of the last listing
+        self.peer_id, self.maddrs = "", []
+        self._tasks: list = []
+        self.listed_at = 0.0
+        self._snapshot = None
+
+    # ------------------------------------------------------------------ startup (main thread)
+    def start_dht(self) -> None:
+        from gasloc.peer.daemon import PeerStartupError
+
+        net = self.cfg.network
+        self.signer, validators = make_validators(self.cfg.swarm.run_id)
+        dht = SafeDHT(initial_peers=net.initial_peers or None, start=False, record_validators=validators,
+                      host_maddrs=net.listen_maddrs, announce_maddrs=net.announce_maddrs or None,
+                      identity_path=net.identity_path, startup_timeout=net.startup_timeout_s)
+        self.dht = dht
+        try:
+            dht.run_in_background(await_ready=True, timeout=net.startup_timeout_s + 5)
+        except Exception as e:  # noqa: BLE001 - whatever hivemind raised, the user gets one line and exit 1
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise PeerStartupError(f"could not start the DHT node ({type(e).__name__}: {first}); check "
+                                   f"--initial-peers (are those peers running and reachable?) and "
+                                   f"--host-maddrs") from None
+        self.peer_id = dht.peer_id.to_base58()
+        self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        if not net.initial_peers:
+            log.warning("no initial peers: starting a new swarm; others join with --initial-peers %s",
+                        self.maddrs[0] if self.maddrs else "<this peer's maddr>")
+        log.info("dht_started peer_id=%s maddrs=%s", self.peer_id, ",".join(self.maddrs))
+
+    def compute_fingerprint(self, model: torch.nn.Module, vocab_size: int) -> str:
+        """Everything two peers must share to mix tensors: shapes, and what the sent tensors mean."""
+        m, o = self.cfg.model, self.cfg.outer
+        self.fingerprint = fingerprint(
+            protocol=PROTOCOL_VERSION, preset=m.preset, seq_len=m.seq_len, rope_theta=m.rope_theta,
+            vocab_size=vocab_size, shapes=[list(p.shape) for p in model.parameters()],
+            algorithm=o.algorithm, form=o.form if o.algorithm in ("gasloc", "gossip") else None, seed=self.cfg.run.seed)
+        return self.fingerprint
+
+    def start_services(self) -> None:
+        """The event loop thread, the p2p replica (same daemon and peer id as the DHT) and the membership."""
+        self.aio = LoopThread()
+        timeout = self.cfg.network.startup_timeout_s
+        self.p2p = self.aio.run(self.dht.replicate_p2p(), timeout)
+        self.membership = Membership(self.dht, self.signer, run_id=self.cfg.swarm.run_id, peer_id=self.peer_id,
+                                     fingerprint=self.fingerprint, protocol=PROTOCOL_VERSION,
+                                     ttl_s=self.cfg.swarm.announce_ttl_s,
+                                     # a store or get stuck on an unresponsive DHT node must not outlive a refresh
+                                     request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3))
+        self.aio.run(self.membership.announce(self._record()), timeout)
+        self.live = self.aio.run(self.membership.live_peers(), timeout) or {}
+        self.listed_at = time.monotonic()
+        self._announce_wanted, self._list_wanted = self.aio.run(_make_events(), timeout)
+        self._tasks = [self.aio.submit(self._announcer()), self.aio.submit(self._lister())]
+
+    def start_state_server(self) -> None:
+        from gasloc.peer.state_transfer import StateServer
+
+        self.state_server = StateServer(self.p2p, self._get_state, self.fingerprint, self.cfg.swarm.run_id,
+                                        self.cfg.state_transfer)
+        self.aio.run(self.state_server.start(), self.cfg.network.startup_timeout_s)
+
+    # ------------------------------------------------------------------ membership
+    # Two background tasks own the DHT traffic, so no round ever awaits the DHT: a slow or frozen DHT node (its
+    # RPCs time out after seconds) then delays what others learn about us, never our training or partner search.
+
+    def _record(self) -> PeerRecord:
+        p = self.peer
+        return self.membership.record(state=p.state, round=p.round, throughput_tps=p.throughput_tps,
+                                      bandwidth_bps=p.bandwidth_bps)
+
+    def announce(self, wait: bool = False) -> None:
+        """Announce the peer's current state: in the background (one store at a time, the latest state wins), or
+        with `wait`, right now from the calling (training) thread."""
+        if wait:
+            self.aio.run(self.membership.announce(self._record()), self.membership.request_timeout_s + 1)
+        else:
+            self.aio.loop.call_soon_threadsafe(self._announce_wanted.set)
+
+    def request_listing(self, max_age_s: float = 0.0) -> None:
+        """On the loop: ask the lister for a fresh listing unless the cached one is younger than max_age_s."""
+        if time.monotonic() - self.listed_at >= max_age_s:
+            self._list_wanted.set()
+
+    async def _announcer(self) -> None:
+        every = self.cfg.swarm.announce_ttl_s / 3
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._announce_wanted.wait(), every)
+            self._announce_wanted.clear()
+            await self.membership.announce(self._record())
+
+    async def _lister(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._list_wanted.wait(), LIST_PERIOD_S)
+            self._list_wanted.clear()
+            found = await self.membership.live_peers()
+            # a DHT that did not answer (a frozen or overloaded node) keeps the last listing, minus what expired:
+            # an empty list here would make every partner a stranger to our Exchanger (NOT_MEMBER)
+            self.live = found if found is not None else self.membership.prune(self.live)
+            self.listed_at = time.monotonic()
+
+    def ready_peers(self) -> dict[str, PeerRecord]:
+        """Compatible peers that were ready to exchange at the last listing (at most LIST_PERIOD_S old)."""
+        return {pid: r for pid, r in self.live.items() if r.state == "exchanging"}
+
+    def is_member(self, peer_id: PeerID) -> bool:
+        return str(peer_id) in self.live
+
+    # ------------------------------------------------------------------ state transfer
+    def publish_state(self) -> None:
+        """Called by the training thread at each round boundary: what joiners download until the next one."""
+        self._snapshot = self.peer.snapshot()
+
+    def _get_state(self):
+        return self._snapshot
+
+    def download_state(self, params: list[torch.Tensor], outer):
+        """(donor, metadata, params, outer_state) from a live peer, or None when nobody is there (a fresh swarm)
+        or no donor delivered a verified state in time (then the peer starts from the seed model, logged)."""
+        from gasloc.peer.state_transfer import StateDownloadError, download_state
+
+        live = self.live
+        # most advanced first; a donor that fails (dies mid-transfer, busy, garbage) is skipped for the next
+        # Only peers that trained at least one round: peers started together all hold the seed model already.
+        donors = sorted((pid for pid, r in live.items() if r.state != "joining" and r.round > 0),
+                        key=lambda p: -live[p].round)
+        if not donors:
+            log.info("join: no live peer has trained yet; starting from the seed model")
+            return None
+        outer_names = list(outer.state_dict())
+        specs = [(tuple(t.shape), t.dtype) for t in params]
+        outer_specs = [(tuple(t.shape), t.dtype) for t in outer.state_dict().values()]
+        log.info("join: downloading state, candidate donors=%d", len(donors))
+        coro = download_state(self.p2p, [PeerID.from_base58(d) for d in donors], specs, self.fingerprint,
+                              self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs)
+        try:
+            metadata, tensors = self.aio.run(coro, self.cfg.swarm.join_timeout_s)
+        except TimeoutError:
+            log.warning("join: no state within join_timeout_s=%.0f; starting from the seed model",
+                        self.cfg.swarm.join_timeout_s)
+            return None
+        except StateDownloadError as e:
+            log.warning("join: %s; starting from the seed model", e)
+            return None
+        n_outer = int(metadata.get("num_outer", 0))
+        n_params = len(tensors) - n_outer
+        outer_state = dict(zip(outer_names, tensors[n_params:])) if n_outer == len(outer_names) else {}
+        donor = str(metadata.get("peer_id", "peer"))
+        log.info("join: state of round %s from %s (outer state: %s)", metadata.get("round"), donor,
+                 "yes" if outer_state else "no")
+        return donor, metadata, tensors[:n_params], outer_state
+
+    # ------------------------------------------------------------------ shutdown (main thread)
+    def close(self) -> None:
+        """Withdraw the record, stop the loop's services, then the DHT child (which takes its p2pd along)."""
+        from gasloc.peer.daemon import _step
+
+        if self.aio is not None:
+            for task in self._tasks:
+                task.cancel()
+            if self.membership is not None:
+                _step("withdraw", lambda: self.aio.run(self.membership.withdraw(), 15))
+            if self.state_server is not None:
+                _step("state_server.stop", lambda: self.aio.run(self.state_server.stop(), 10))
+            if self.p2p is not None:
+                _step("p2p.shutdown", lambda: self.aio.run(self.p2p.shutdown(), 10))
+            self.aio.stop()
+        if self.dht is not None:
+            _step("dht.shutdown", self.dht.shutdown)

@@ -1,0 +1,86 @@
+"""Partner choice for a live GASLoC peer: who to ask next, and who not to ask for a while. Pure: no I/O, no clock
+(times are passed in), so it is unit-tested directly.
+
+Backoff (petals style, explicit bounds): a partner whose exchange failed or timed out is not asked again for
+min_backoff_s * 2^(failures-1), capped at max_backoff_s, with +-jitter so a swarm does not retry in lockstep.
+A partner that answered BUSY is alive and well, only engaged: it is skipped for a short fixed cooldown and its
+failure count is untouched. A successful exchange clears the record.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from gasloc.protocol.matching import choose_partner
+
+
+@dataclass
+class Backoff:
+    min_backoff_s: float
+    max_backoff_s: float
+    busy_cooldown_s: float
+    jitter: float = 0.2
+    failures: dict[str, int] = field(default_factory=dict)
+    until: dict[str, float] = field(default_factory=dict)
+
+    def failed(self, peer: str, now: float, rng: random.Random) -> float:
+        """Record a failure (timeout, error, rejection); returns the backoff chosen in seconds."""
+        n = self.failures.get(peer, 0) + 1
+        self.failures[peer] = n
+        delay = min(self.max_backoff_s, self.min_backoff_s * 2 ** (n - 1))
+        delay *= 1 + self.jitter * (2 * rng.random() - 1)
+        self.until[peer] = now + delay
+        return delay
+
+    def busy(self, peer: str, now: float) -> None:
+        self.until[peer] = max(self.until.get(peer, 0.0), now + self.busy_cooldown_s)
+
+    def succeeded(self, peer: str) -> None:
+        self.failures.pop(peer, None)
+        self.until.pop(peer, None)
+
+    def blocked(self, peer: str, now: float) -> bool:
+        return self.until.get(peer, 0.0) > now
+
+    def forget_absent(self, present: Iterable[str]) -> None:
+        """Drop records of peers that left the listing, so the table does not grow with churn."""
+        keep = set(present)
+        for table in (self.failures, self.until):
+            for p in [p for p in table if p not in keep]:
+                del table[p]
+
+
+def candidate_weights(bandwidth_bps: Mapping[str, float], *, weighted: bool) -> dict[str, float]:
+    """Selection weight per candidate: 1.0 each (uniform), or its measured bandwidth. A peer that has not measured
+    one yet (0) gets the median of the known ones, so newcomers are neither favoured nor starved."""
+    if not weighted:
+        return {p: 1.0 for p in bandwidth_bps}
+    known = [b for b in bandwidth_bps.values() if b > 0]
+    prior = statistics.median(known) if known else 1.0
+    return {p: (b if b > 0 else prior) for p, b in bandwidth_bps.items()}
+
+
+def pick_partner(ready: Mapping[str, float], backoff: Backoff, now: float, rng: random.Random, *,
+                 weighted: bool, avoid: Iterable[str] = ()) -> str | None:
+    """One partner among `ready` (peer id -> measured bandwidth, peers currently in state exchanging), skipping
+    those in backoff and those in `avoid`; None when nobody is available right now."""
+    skip = set(avoid)
+    avail = {p: b for p, b in ready.items() if p not in skip and not backoff.blocked(p, now)}
+    return choose_partner(candidate_weights(avail, weighted=weighted), rng)
+
+
+def peers_to_avoid(recent: Iterable[str], live: Iterable[str], elapsed_s: float, deadline_s: float) -> set[str]:
+    """Recent partners to pass over for the first half of the partner search.
+
+    Why: two peers that just exchanged start their next round together and become ready together, so a plain
+    "random among the ready" choice pairs them again and again; the swarm splits into fixed pairs that never mix
+    (measured: consensus across pairs grew past 1.0 within a minute). Passing over recent partners while someone
+    else may become ready restores the random matching. Not when the recent partners are all the live peers
+    there are (a 2-peer swarm), and not in the second half of the search, so nobody is left without a partner.
+    """
+    recent, live = set(recent), set(live)
+    if elapsed_s >= deadline_s / 2 or not live - recent:
+        return set()
+    return recent & live

@@ -1,0 +1,48 @@
+"""What a round's communication produced, in one shape for both swarm algorithms (GASLoC's pairwise exchange and
+DiLoCo's all-reduce), so the training loop applies and records them the same way.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+
+@dataclass
+class RoundExchange:
+    """outcome: ok | solo | busy | timeout | rejected | failed (the last attempt's when none succeeded).
+
+    received: on ok, the partner's tensors (kind "pair": mix them with ours) or the group's exact mean (kind
+    "mean": use as is). Never set unless the whole exchange completed and passed its checks, so a half-received
+    state cannot be mixed in.
+    """
+    outcome: str = "solo"
+    kind: Literal["pair", "mean"] = "pair"
+    partner: str | None = None
+    received: list[torch.Tensor] | None = None
+    group_size: int = 1
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    exchange_s: float = 0.0      # the reported attempt (the successful one, else the last failed one)
+    wait_s: float = 0.0          # looking for a partner: from ready until the reported attempt started
+    attempts: int = 0
+    detail: str = ""
+    partners_tried: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok" and self.received is not None
+
+    @property
+    def transfer_s(self) -> float:
+        return self.exchange_s if self.ok else 0.0
+
+
+@torch.no_grad()
+def relative_distance(own: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> float:
+    """||own - other|| / ||own|| over all tensors (the metrics' "consensus"); 0/0 reads as 0."""
+    num = sum(float(torch.sum((a.float() - b.to(a.device).float()) ** 2)) for a, b in zip(own, other))
+    den = sum(float(torch.sum(a.float() ** 2)) for a in own)
+    return (num ** 0.5) / (den ** 0.5) if den > 0 else 0.0

@@ -1,0 +1,66 @@
+"""Child processes that die with their parent.
+
+hivemind's DHT and DecentralizedAverager are forked `mp.Process(daemon=True)` children. `daemon=True` only helps
+on a clean interpreter exit: after SIGKILL or SIGTERM of the peer, the DHT child, its p2pd and torch_shm_manager
+stay alive under init and keep serving (measured: shared/docs/hivemind-notes.md section 5). PR_SET_PDEATHSIG makes
+the kernel send SIGKILL to the child when its parent goes; p2pd then exits on its own because its control
+connection closes.
+
+The death signal fires when the *thread* that forked the child exits, not the process, so these children must be
+created from the main thread (which lives as long as the peer).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import threading
+
+import hivemind
+
+from gasloc.procs import set_pdeathsig
+
+
+def detach_and_die_with_parent(parent_pid: int) -> None:
+    """In a forked child, first thing: get SIGKILL when the parent dies, and leave the parent's process group.
+
+    Own process group: a signal meant for the peer's group (Ctrl+C in a terminal, a supervisor's killpg SIGTERM)
+    then reaches only the peer's main process, which shuts the child down in order - withdrawing its DHT record
+    needs this child and its p2pd alive. The child still dies with the peer in every case through the death signal.
+    """
+    set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    os.setpgid(0, 0)
+    # the fork inherited the peer's Python SIGTERM handler (which only sets a flag in the peer): restore the default,
+    # so DHT.shutdown()'s terminate() fallback works
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def require_main_thread(what: str) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(f"{what} must be created from the main thread (PR_SET_PDEATHSIG is tied to the thread "
+                           f"that forks the child)")
+
+
+def remove_own_shm() -> None:
+    """hivemind's MPFuture keeps a torch shared-memory file /dev/shm/torch_<our pid>_*; torch_shm_manager removes
+    it only some seconds after we exit, or never if it is killed first. Unlinking it at shutdown is safe: our
+    mapping stays valid until exit."""
+    for path in glob.glob(f"/dev/shm/torch_{os.getpid()}_*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class SafeDHT(hivemind.DHT):
+    """hivemind.DHT whose background process is killed with the peer (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        require_main_thread("SafeDHT")
+        self._creator_pid = os.getpid()
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        detach_and_die_with_parent(self._creator_pid)
+        super().run()

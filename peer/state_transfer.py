@@ -1,0 +1,215 @@
+"""Joining mid-run: a live peer serves a snapshot of its state; a joiner downloads it from the first donor that works.
+
+Protocol on one raw stream: joiner -> StateRequest header; donor -> StateReply header (a Code; with OK the round,
+metadata, specs, total_bytes and the sha256 of the payload), then the payload: every tensor in its own dtype, raw.
+Tensors are the donor's parameters followed by `num_outer` outer-optimizer state tensors (the daemon puts
+`"num_outer": k` in the metadata when it serves outer state; 0 or absent means parameters only).
+
+The joiner validates before buffering (version, fingerprint, specs equal to what it expects, declared size within
+the cap) and after (sha256, finite values). A donor that is busy, dies, stalls past `per_donor_timeout_s` or sends
+garbage is skipped and the next one is tried; only a fully verified state is returned.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from pydantic import BaseModel, ConfigDict, Field
+
+from gasloc.peer.channel import STREAM_ERRORS, Channel, read_header
+from gasloc.peer.exchange import SpecLike
+from gasloc.peer.tensor_io import byte_view, in_thread, is_finite, torch_dtype
+from gasloc.protocol.codes import Code
+from gasloc.protocol.messages import PROTOCOL_VERSION, StateReply, StateRequest, TensorSpec, payload_bytes
+from gasloc.protocol.wire import WireError, check_state_reply, encode_header
+
+logger = logging.getLogger(__name__)
+
+GetState = Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]
+
+
+class StateTransferConfig(BaseModel):
+    """How a joiner downloads state, and how long a donor waits for a joiner's request."""
+    model_config = ConfigDict(extra="forbid")
+
+    per_donor_timeout_s: float = Field(120.0, gt=0, description="deadline of one whole download from one donor")
+    accept_timeout_s: float = Field(10.0, gt=0, description="how long to wait for a donor's reply header (the donor "
+                                    "snapshots and checksums its state first)")
+    max_state_bytes: int | None = Field(None, gt=0, description="cap on a donor's declared payload; default: "
+                                        "exactly what the expected specs imply")
+    chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="bytes per write on the donor side")
+
+
+def handler_name(namespace: str) -> str:
+    return f"{namespace}::gasloc.state.v{PROTOCOL_VERSION}"
+
+
+def _payload_digest(tensors: Sequence[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(byte_view(t))      # hashlib releases the GIL on large buffers
+    return h.hexdigest()
+
+
+class StateServer:
+    """Serves `get_state()` snapshots to joiners. One transfer at a time (a snapshot costs a model copy); a second
+    concurrent joiner gets BUSY and tries another donor."""
+
+    def __init__(self, p2p: P2P, get_state: GetState, fingerprint: str, namespace: str,
+                 cfg: StateTransferConfig | None = None):
+        self.p2p, self.get_state, self.fingerprint = p2p, get_state, fingerprint
+        self.cfg = cfg or StateTransferConfig()
+        self.name = handler_name(namespace)
+        self._serving = False
+        self._started = False
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(self.name, self._handle)
+        self._started = True
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._started:
+            self._started = False
+            try:
+                await asyncio.wait_for(self.p2p.remove_binary_stream_handler(self.name), 5.0)
+            except (TimeoutError, KeyError, *STREAM_ERRORS) as e:
+                logger.debug(f"remove_handler name={self.name} error={type(e).__name__}: {e}")
+
+    async def _reply(self, ch: Channel, code: Code, message: str) -> None:
+        reply = StateReply(protocol_version=PROTOCOL_VERSION, code=int(code), message=message[:500],
+                           fingerprint=self.fingerprint)
+        await ch.write(encode_header(reply))
+        await ch.discard_until_eof(timeout=1.0)
+
+    async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        ch = Channel.take_over(reader, writer)
+        joiner = str(info.peer_id)
+        try:
+            async with asyncio.timeout(self.cfg.per_donor_timeout_s):
+                try:
+                    async with asyncio.timeout(self.cfg.accept_timeout_s):
+                        request = await read_header(ch, StateRequest)
+                except WireError as e:
+                    return await self._reply(ch, e.code, str(e))
+                if request.fingerprint != self.fingerprint:
+                    return await self._reply(ch, Code.BAD_FINGERPRINT, "fingerprint differs from the donor's")
+                if self._serving:
+                    return await self._reply(ch, Code.BUSY, "serving another joiner")
+                self._serving = True
+                try:
+                    await self._serve(ch, joiner)
+                finally:
+                    self._serving = False
+        except (TimeoutError, *STREAM_ERRORS) as e:
+            logger.info(f"state_serve joiner={joiner} outcome=failed detail={type(e).__name__}: {e}")
+        except asyncio.CancelledError:
+            # stop() cancelled us; this task belongs to asyncio's unix server, whose done-callback logs a cancelled
+            # handler as an error, so the cancellation ends here, at the top of the task
+            logger.debug(f"state_serve joiner={joiner} cancelled")
+        finally:
+            self._tasks.discard(task)
+            ch.close()
+
+    async def _serve(self, ch: Channel, joiner: str) -> None:
+        t0 = time.monotonic()
+        metadata, tensors = self.get_state()     # the daemon's function copies under its lock
+        tensors = [t.detach().contiguous() for t in tensors]
+        digest = await in_thread(_payload_digest, tensors)
+        specs = tuple(TensorSpec.of(t.shape, t.dtype) for t in tensors)
+        reply = StateReply(protocol_version=PROTOCOL_VERSION, code=int(Code.OK), fingerprint=self.fingerprint,
+                           round=int(metadata.get("round", 0)), num_outer=int(metadata.get("num_outer", 0)),
+                           metadata=metadata, specs=specs, total_bytes=payload_bytes(specs), sha256=digest)
+        await ch.write(encode_header(reply))
+        for t in tensors:
+            await ch.write(byte_view(t), self.cfg.chunk_bytes)
+        # wait for the joiner's 1-byte verdict so that closing does not cut the tail of the payload
+        verdict = Code.parse((await ch.readexactly(1))[0])
+        logger.info(f"state_serve joiner={joiner} outcome={verdict.name} mb={reply.total_bytes / 1e6:.1f} "
+                    f"seconds={time.monotonic() - t0:.2f}")
+
+
+async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorSpec],
+                         outer_specs: list[TensorSpec] | None, fingerprint: str, cfg: StateTransferConfig
+                         ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    ch: Channel | None = None
+    try:
+        async with asyncio.timeout(cfg.per_donor_timeout_s):
+            async with asyncio.timeout(cfg.accept_timeout_s):
+                _, reader, writer = await p2p.call_binary_stream_handler(donor, name)
+                ch = Channel.take_over(reader, writer)
+                await ch.write(encode_header(StateRequest(protocol_version=PROTOCOL_VERSION,
+                                                          fingerprint=fingerprint)))
+                reply = await read_header(ch, StateReply)
+            cap = cfg.max_state_bytes or payload_bytes(specs + (outer_specs or []))
+            code, why = check_state_reply(reply, expected_specs=specs, outer_specs=outer_specs,
+                                          fingerprint=fingerprint, max_bytes=cap)
+            if code != Code.OK:
+                raise WireError(code, why)
+            # buffers sized from the validated specs, which equal ours: bounded by our own state size
+            tensors = [torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for s in reply.specs]
+            for t in tensors:
+                await ch.readinto(byte_view(t))
+            digest = await in_thread(_payload_digest, tensors)
+            verdict = Code.OK
+            if digest != reply.sha256:
+                verdict, why = Code.BAD_CHECKSUM, "payload sha256 differs from the declared one"
+            elif not all(await in_thread(lambda: [is_finite(t) for t in tensors])):
+                verdict, why = Code.NOT_FINITE, "state contains NaN or Inf"
+            await ch.write(bytes([verdict]))
+            if verdict != Code.OK:
+                raise WireError(verdict, why)
+            metadata = dict(reply.metadata)
+            metadata.setdefault("round", reply.round)
+            metadata["num_outer"] = reply.num_outer
+            return metadata, tensors
+    finally:
+        if ch is not None:
+            ch.close()
+
+
+class StateDownloadError(Exception):
+    """No donor delivered a valid state; the message lists what each donor did."""
+
+
+async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[SpecLike], fingerprint: str,
+                         cfg: StateTransferConfig, namespace: str, *,
+                         outer_specs: Sequence[SpecLike] | None = None
+                         ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The state of the first donor (in the given order) that delivers a verified one: (metadata, tensors).
+
+    `tensors` are the parameters (matching `specs`) followed, when the donor served outer state and `outer_specs`
+    is given, by the outer-state tensors; `metadata["num_outer"]` says how many. Raises StateDownloadError when
+    every donor failed.
+    """
+    want = [s if isinstance(s, TensorSpec) else TensorSpec.of(*s) for s in specs]
+    want_outer = None if outer_specs is None else [s if isinstance(s, TensorSpec) else TensorSpec.of(*s)
+                                                   for s in outer_specs]
+    failures = []
+    for donor in donors:
+        t0 = time.monotonic()
+        try:
+            metadata, tensors = await _download_from(p2p, donor, handler_name(namespace), want, want_outer,
+                                                     fingerprint, cfg)
+        except (TimeoutError, WireError, *STREAM_ERRORS) as e:
+            code = e.code.name if isinstance(e, WireError) else ("TIMEOUT" if isinstance(e, TimeoutError) else
+                                                                   "FAILED")
+            detail = f"{type(e).__name__}: {e}"
+            logger.info(f"state_download donor={donor} outcome={code} seconds={time.monotonic() - t0:.2f} "
+                        f"detail={detail!r}")
+            failures.append(f"{donor}: {code} ({detail})")
+            continue
+        logger.info(f"state_download donor={donor} outcome=ok round={metadata.get('round')} "
+                    f"seconds={time.monotonic() - t0:.2f}")
+        return metadata, tensors
+    raise StateDownloadError("no donor delivered a valid state: " + ("; ".join(failures) or "no donors given"))

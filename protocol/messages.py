@@ -1,0 +1,131 @@
+"""Wire headers of the pairwise exchange and of the state download, as versioned pydantic models.
+
+Headers are small JSON objects; tensors never travel inside them. A header describes the raw bytes that follow it
+on the stream: one tensor after another, each C-contiguous, little-endian, in the header's wire dtype.
+
+Rolling upgrades: a model ignores fields it does not know (a newer peer may add some) but validates every field it
+knows, strictly (no "1" for 1). A change that an older peer cannot ignore bumps PROTOCOL_VERSION.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gasloc.protocol.codes import Code
+
+PROTOCOL_VERSION = 1
+
+# dtypes a tensor may have in a header, with their size in bytes. Anything else is BAD_DTYPE.
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+WireDtype = Literal["float32", "float16", "bfloat16"]
+WIRE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+
+MAX_TENSORS = 100_000      # more tensors than this in one header is garbage, whatever the model
+MAX_DIMS = 8
+
+
+class _Wire(BaseModel):
+    # extra="ignore": tolerate fields from newer peers; strict: never coerce a known field's type
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class TensorSpec(_Wire):
+    """Shape and dtype of one tensor (its dtype on the sender's side, before any wire cast)."""
+    shape: tuple[int, ...] = Field(description="dimensions, each >= 0", max_length=MAX_DIMS)
+    dtype: str = Field(description="torch dtype name without 'torch.', e.g. float32", max_length=16)
+
+    @field_validator("shape")
+    @classmethod
+    def _non_negative(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(d < 0 for d in v):
+            raise ValueError("negative dimension")
+        return v
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @classmethod
+    def of(cls, shape: Sequence[int], dtype: Any) -> "TensorSpec":
+        """From a (shape, dtype) pair where dtype is a torch.dtype or its name."""
+        return cls(shape=tuple(int(d) for d in shape), dtype=dtype_name(dtype))
+
+
+def dtype_name(dtype: Any) -> str:
+    """'float32' for torch.float32 or 'float32' (no torch import needed here)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def specs_of(pairs: Sequence[tuple[Sequence[int], Any]]) -> list[TensorSpec]:
+    """TensorSpecs from (shape, dtype) pairs."""
+    return [TensorSpec.of(shape, dtype) for shape, dtype in pairs]
+
+
+def payload_bytes(specs: Sequence[TensorSpec], wire_dtype: str | None = None) -> int:
+    """Bytes on the wire for these tensors, each cast to `wire_dtype` (None: sent in its own dtype)."""
+    return sum(s.numel * DTYPE_BYTES[wire_dtype or s.dtype] for s in specs)
+
+
+class ExchangeRequest(_Wire):
+    """Initiator -> responder: "I want to exchange; this is what I will send once you accept"."""
+    kind: Literal["exchange"] = "exchange"
+    protocol_version: int = Field(description="PROTOCOL_VERSION of the sender")
+    fingerprint: str = Field(max_length=128, description="compatibility hash, see fingerprint()")
+    round: int = Field(ge=0, description="sender's outer round, for logs only (there is no global round)")
+    wire_dtype: str = Field(max_length=16, description="dtype of the tensor bytes on the wire")
+    specs: tuple[TensorSpec, ...] = Field(max_length=MAX_TENSORS, description="the tensors that will follow")
+    total_bytes: int = Field(ge=0, description="exact byte count of the payload that follows")
+
+
+class ExchangeReply(_Wire):
+    """Responder -> initiator: a code; with OK, the description of the responder's own tensors."""
+    kind: Literal["exchange_reply"] = "exchange_reply"
+    protocol_version: int
+    code: int = Field(ge=0, le=255, description="a Code value")
+    message: str = Field("", max_length=512, description="human-readable reason, for logs")
+    fingerprint: str = Field("", max_length=128)
+    round: int = Field(0, ge=0)
+    wire_dtype: str = Field("float32", max_length=16)
+    specs: tuple[TensorSpec, ...] = Field((), max_length=MAX_TENSORS)
+    total_bytes: int = Field(0, ge=0)
+
+
+class StateRequest(_Wire):
+    """Joiner -> donor: "send me your current state"."""
+    kind: Literal["state"] = "state"
+    protocol_version: int
+    fingerprint: str = Field(max_length=128)
+
+
+class StateReply(_Wire):
+    """Donor -> joiner: a code; with OK, the description of the state that follows (in the donor's dtypes)."""
+    kind: Literal["state_reply"] = "state_reply"
+    protocol_version: int
+    code: int = Field(ge=0, le=255)
+    message: str = Field("", max_length=512)
+    fingerprint: str = Field("", max_length=128)
+    round: int = Field(0, ge=0, description="the donor's outer round")
+    num_outer: int = Field(0, ge=0, description="how many of the trailing tensors are outer-optimizer state")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="JSON metadata from the donor")
+    specs: tuple[TensorSpec, ...] = Field((), max_length=MAX_TENSORS)
+    total_bytes: int = Field(0, ge=0)
+    sha256: str = Field("", max_length=64, description="hex sha256 of the payload bytes")
+
+
+def fingerprint(**parts: Any) -> str:
+    """A short stable hash of everything that must match for two peers to mix tensors.
+
+    The caller passes the parts (model preset, seq_len, vocab size, algorithm, form, ...); key order does not
+    matter, values must be JSON-serializable. 16 hex digits: a collision between two real configs is not a concern.
+    """
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def reply_code(reply: ExchangeReply | StateReply) -> Code:
+    return Code.parse(reply.code)

@@ -1,0 +1,144 @@
+"""Framing and validation of wire headers. Sans-I/O: bytes in, models and Codes out.
+
+Frame: a 4-byte big-endian length, then that many bytes of UTF-8 JSON (one of the models in `messages`). The length
+is checked against MAX_HEADER_BYTES before a single body byte is read, so a peer cannot make us buffer a huge
+header. Tensor bytes follow the header raw, as it describes them.
+
+The checks return a Code instead of raising, so the I/O layer can answer it on the wire. Their order is part of the
+contract (tests pin it): version, fingerprint, wire dtype, declared size, count and shapes, dtypes, consistency.
+The declared size is checked before the shapes so that an oversized declaration is always TOO_LARGE.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from gasloc.protocol.codes import Code
+from gasloc.protocol.messages import (DTYPE_BYTES, PROTOCOL_VERSION, WIRE_DTYPES, ExchangeReply, ExchangeRequest,
+                                      StateReply, TensorSpec, payload_bytes)
+
+LENGTH_PREFIX_BYTES = 4
+MAX_HEADER_BYTES = 1 << 20   # 1 MiB: ~20k tensor specs; a real header is a few KB
+_LENGTH = struct.Struct(">I")
+
+H = TypeVar("H", bound=BaseModel)
+
+
+class WireError(Exception):
+    """A received frame is unacceptable; `code` is what to answer."""
+
+    def __init__(self, code: Code, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def encode_header(header: BaseModel) -> bytes:
+    """Length prefix + compact JSON of a header model."""
+    body = header.model_dump_json().encode()
+    if len(body) > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(body)} bytes exceeds MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
+    return _LENGTH.pack(len(body)) + body
+
+
+def parse_length(prefix: bytes, max_header_bytes: int = MAX_HEADER_BYTES) -> int:
+    """The body length announced by a 4-byte prefix; WireError(BAD_HEADER) when empty or over the cap."""
+    if len(prefix) != LENGTH_PREFIX_BYTES:
+        raise WireError(Code.BAD_HEADER, f"length prefix has {len(prefix)} bytes, expected {LENGTH_PREFIX_BYTES}")
+    (n,) = _LENGTH.unpack(prefix)
+    if n == 0 or n > max_header_bytes:
+        raise WireError(Code.BAD_HEADER, f"header length {n} outside 1..{max_header_bytes}")
+    return n
+
+
+def decode_header(body: bytes, cls: type[H]) -> H:
+    """Parse a header body into `cls`. BAD_VERSION for another protocol version, BAD_HEADER for anything malformed.
+
+    The version is looked at before the full validation so that a peer on another version gets BAD_VERSION even if
+    its header has a different shape.
+    """
+    try:
+        raw = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WireError(Code.BAD_HEADER, f"header is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise WireError(Code.BAD_HEADER, "header is not a JSON object")
+    version = raw.get("protocol_version")
+    if type(version) is not int:
+        raise WireError(Code.BAD_HEADER, "header has no integer protocol_version")
+    if version != PROTOCOL_VERSION:
+        raise WireError(Code.BAD_VERSION, f"protocol_version {version}, this peer speaks {PROTOCOL_VERSION}")
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "header"
+        raise WireError(Code.BAD_HEADER, f"{cls.__name__}.{where}: {first['msg']}") from None
+
+
+def _check_tensors(fingerprint_got: str, wire_dtype: str, specs: Sequence[TensorSpec], total_bytes: int, *,
+                   expected_specs: Sequence[TensorSpec], fingerprint: str, max_bytes: int,
+                   wire_dtypes: Sequence[str] | None) -> tuple[Code, str]:
+    if fingerprint_got != fingerprint:
+        return Code.BAD_FINGERPRINT, f"fingerprint {fingerprint_got!r} != ours {fingerprint!r}"
+    allowed = WIRE_DTYPES if wire_dtypes is None else wire_dtypes
+    if wire_dtype not in allowed:
+        return Code.BAD_DTYPE, f"wire dtype {wire_dtype!r} not in {list(allowed)}"
+    if total_bytes > max_bytes:
+        return Code.TOO_LARGE, f"declared {total_bytes} bytes > cap {max_bytes}"
+    if len(specs) != len(expected_specs):
+        return Code.BAD_SHAPE, f"{len(specs)} tensors, expected {len(expected_specs)}"
+    for i, (got, want) in enumerate(zip(specs, expected_specs)):
+        if got.shape != want.shape:
+            return Code.BAD_SHAPE, f"tensor {i} has shape {list(got.shape)}, expected {list(want.shape)}"
+        if got.dtype != want.dtype:
+            return Code.BAD_DTYPE, f"tensor {i} has dtype {got.dtype}, expected {want.dtype}"
+    if wire_dtype and total_bytes != payload_bytes(specs, wire_dtype):
+        return Code.BAD_HEADER, f"total_bytes {total_bytes} != {payload_bytes(specs, wire_dtype)} implied by specs"
+    return Code.OK, ""
+
+
+def check_request(req: ExchangeRequest, *, expected_specs: Sequence[TensorSpec], fingerprint: str,
+                  max_bytes: int) -> tuple[Code, str]:
+    """Whether a responder may accept this request (membership and busyness are the caller's checks)."""
+    return _check_tensors(req.fingerprint, req.wire_dtype, req.specs, req.total_bytes, expected_specs=expected_specs,
+                          fingerprint=fingerprint, max_bytes=max_bytes, wire_dtypes=None)
+
+
+def check_reply(reply: ExchangeReply, *, expected_specs: Sequence[TensorSpec], fingerprint: str,
+                max_bytes: int) -> tuple[Code, str]:
+    """Whether an initiator may receive what this reply announces. A non-OK reply returns its own code."""
+    if reply.code != Code.OK:
+        return Code.parse(reply.code), reply.message
+    return _check_tensors(reply.fingerprint, reply.wire_dtype, reply.specs, reply.total_bytes,
+                          expected_specs=expected_specs, fingerprint=fingerprint, max_bytes=max_bytes,
+                          wire_dtypes=None)
+
+
+def check_state_reply(reply: StateReply, *, expected_specs: Sequence[TensorSpec],
+                      outer_specs: Sequence[TensorSpec] | None, fingerprint: str,
+                      max_bytes: int) -> tuple[Code, str]:
+    """Whether a joiner may receive the state this reply announces.
+
+    The donor sends its parameters, then (`num_outer` > 0) its outer-optimizer state. A joiner that passes
+    `outer_specs` accepts either; a joiner that passes None accepts parameters only.
+    """
+    if reply.code != Code.OK:
+        return Code.parse(reply.code), reply.message
+    if reply.num_outer and outer_specs is None:
+        return Code.BAD_SHAPE, f"donor sends {reply.num_outer} outer-state tensors, none expected"
+    expected = list(expected_specs) + (list(outer_specs) if reply.num_outer and outer_specs else [])
+    if reply.num_outer and reply.num_outer != len(outer_specs or ()):
+        return Code.BAD_SHAPE, f"donor sends {reply.num_outer} outer-state tensors, expected {len(outer_specs or ())}"
+    if any(s.dtype not in DTYPE_BYTES for s in reply.specs):
+        return Code.BAD_DTYPE, "unknown dtype in state specs"
+    code, why = _check_tensors(reply.fingerprint, "", reply.specs, reply.total_bytes, expected_specs=expected,
+                               fingerprint=fingerprint, max_bytes=max_bytes, wire_dtypes=("",))
+    if code == Code.OK and reply.total_bytes != payload_bytes(reply.specs):
+        return Code.BAD_HEADER, f"total_bytes {reply.total_bytes} != {payload_bytes(reply.specs)} implied by specs"
+    if code == Code.OK and len(reply.sha256) != 64:
+        return Code.BAD_HEADER, "state reply without a sha256 checksum"
+    return code, why

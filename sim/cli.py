@@ -1,0 +1,169 @@
+"""`gasloc sim` (one simulated run) and `gasloc sim compare` (a suite of runs that checks the paper's claims)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from gasloc.config import ConfigError, dump_toml, resolve
+
+ALGORITHMS = ("gasloc", "diloco", "noloco", "gossip", "local")
+TOPOLOGIES = ("complete", "random", "ring", "exponential")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    click.echo(f"Error: {msg}", err=True)
+    sys.exit(code)
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=os.environ.get("GASLOC_LOG_LEVEL", "WARNING").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+@contextmanager
+def _progress_bar(label: str):
+    """A rich progress bar on stderr (only on a terminal); yields a callback (done, total, sim_s, loss)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[info]}"), console=console, disable=not console.is_terminal,
+                   transient=False)
+    task = bar.add_task(label, total=None, info="")
+
+    def update(done: int, total: int, sim_s: float, loss: float | None) -> None:
+        info = f"sim {sim_s:,.0f}s" + (f" val {loss:.3f}" if loss is not None else "")
+        bar.update(task, completed=done, total=total, info=info)
+
+    with bar:
+        yield update
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    except OSError as e:
+        _fail(f"cannot write {path}: {e.strerror}", 1)
+
+
+def _opt(*names, **kw):
+    return click.option(*names, default=None, show_default=False, **kw)
+
+
+@click.group(invoke_without_command=True, context_settings={"show_default": True})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="TOML config file (sections: model, data, inner, outer, clock).")
+@click.option("--print-config", is_flag=True, help="Print the resolved config as TOML and exit.")
+@_opt("--algorithm", type=click.Choice(ALGORITHMS), help="Outer update. [default: gasloc]")
+@_opt("--form", type=click.Choice(("A", "B", "C")), help="GASLoC form. [default: C]")
+@_opt("--workers", type=int, help="K simulated workers. [default: 8]")
+@_opt("--topology", type=click.Choice(TOPOLOGIES), help="Who may pair. [default: random]")
+@_opt("--inner-steps", type=int, help="H inner steps per round. [default: 20]")
+@_opt("--rounds", type=int, help="Rounds per worker (on average). [default: 50]")
+@_opt("--seed", type=int, help="Seed of init and matchings. [default: 0]")
+@_opt("--bandwidth-profile", help="uniform | half-slow-10x | half-slow-compute-2x | a TOML/JSON file.")
+@_opt("--model", "preset", help="Model preset. [default: tiny]")
+@_opt("--outer-lr", type=float, help="Outer lr eta. [default: 0.7; gossip 1]")
+@_opt("--momentum", type=float, help="Outer momentum gamma (NoLoCo: beta).")
+@_opt("--mix-weight", type=float, help="Weight per partner in the mix. [default: group mean]")
+@_opt("--num-partners", type=click.IntRange(1, 2), help="Partners per round. [default: 1]")
+@click.option("--bandwidth-weighted/--no-bandwidth-weighted", default=None,
+              help="Favour pairs on fast links. [default: off]")
+@_opt("--inner-lr", type=float, help="AdamW lr. [default: 1e-3]")
+@_opt("--warmup-steps", type=int, help="Inner lr warm-up steps. [default: 50]")
+@_opt("--batch-size", type=int, help="Sequences per inner step. [default: 4]")
+@_opt("--seq-len", type=int, help="Context length. [default: 64]")
+@_opt("--time-budget-s", type=float, help="Time-budgeted rounds: virtual seconds of inner steps per round.")
+@_opt("--eval-every", type=int, help="Evaluate every N rounds. [default: 5]")
+@_opt("--val-batches", type=int, help="Validation batches per evaluation. [default: 2]")
+@_opt("--max-sim-time-s", type=float, help="Stop once the virtual clock passes this.")
+@_opt("--target-val-loss", type=float, help="Stop once the mean validation loss reaches this.")
+@_opt("--seconds-per-step", type=float, help="Virtual seconds per inner step. [default: 0.3]")
+@_opt("--bandwidth-mbps", type=float, help="Base link bandwidth, Mbit/s. [default: 1000]")
+@_opt("--match-timeout-s", type=float, help="Max wait for a partner before a solo round.")
+@_opt("--threads", type=int, help="torch CPU threads. [default: 1]")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the result here.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of validation loss against simulated time.")
+@click.pass_context
+def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opts) -> None:
+    """Simulate K workers of the model on one CPU under a virtual clock.
+
+    Example: gasloc sim --algorithm gasloc --workers 8 --topology ring --inner-steps 20 --rounds 30 --json out.json
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from gasloc.sim.config import SimConfig
+
+    keys = {"algorithm": "outer.algorithm", "form": "outer.form", "inner_steps": "inner.inner_steps",
+            "bandwidth_profile": "clock.profile", "preset": "model.preset", "outer_lr": "outer.outer_lr",
+            "momentum": "outer.momentum", "mix_weight": "outer.mix_weight", "inner_lr": "inner.lr",
+            "warmup_steps": "inner.warmup_steps", "batch_size": "data.batch_size", "seq_len": "model.seq_len",
+            "time_budget_s": "inner.time_budget_s", "val_batches": "data.val_batches",
+            "seconds_per_step": "clock.seconds_per_step", "bandwidth_mbps": "clock.bandwidth_mbps",
+            "match_timeout_s": "clock.match_timeout_s"}
+    try:
+        cfg = resolve(SimConfig, config_file, {keys.get(k, k): v for k, v in opts.items()})
+    except ConfigError as e:
+        _fail(str(e))
+    if print_config:
+        click.echo(dump_toml(cfg), nl=False)
+        return
+    _setup_logging()
+    from gasloc.sim.runner import run
+
+    try:
+        with _progress_bar(f"sim {cfg.outer.algorithm}") as progress:
+            result = run(cfg, progress)
+    except ConfigError as e:  # a bad profile file is found when the run starts
+        _fail(str(e))
+    except FloatingPointError as e:
+        _fail(str(e), 1)
+    if json_out:
+        _write(json_out, json.dumps(result, indent=1) + "\n")
+    if plot_out:
+        from gasloc.sim.plot import plot_run
+        plot_run(result, plot_out)
+    e = result["evals"][-1]
+    click.echo(f"{cfg.outer.algorithm} topology={cfg.topology} workers={cfg.workers} final_val_loss="
+               f"{e['val_loss_mean']:.4f} avg_model={e['val_loss_avg_model']:.4f} consensus={e['consensus']:.4g} "
+               f"sim_time_s={e['sim_time_s']:.1f} tokens={e['tokens']} stopped_by={result['stopped_by']}")
+
+
+@sim.command()
+@click.option("--suite", type=click.Choice(("paper", "smoke")), default="paper", show_default=True,
+              help="paper: the issue's claims at 8 workers (~10 min on 2 cores); smoke: a seconds-long check.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every run here.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of validation loss against simulated time.")
+@click.option("--markdown", "md_out", type=click.Path(dir_okay=False), default=None,
+              help="Also write the markdown table here.")
+@click.option("--jobs", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Runs in parallel (one process and one torch thread each).")
+def compare(suite: str, json_out, plot_out, md_out, jobs: int) -> None:
+    """Run a suite of simulations and print a markdown table with PASS/FAIL per claim."""
+    _setup_logging()
+    from gasloc.sim.suite import SUITES, markdown, run_suite
+
+    with _progress_bar(f"suite {suite}") as progress:
+        try:
+            report = run_suite(SUITES[suite], jobs=jobs, progress=progress)
+        except FloatingPointError as e:
+            _fail(str(e), 1)
+    table = markdown(report)
+    click.echo(table, nl=False)
+    if md_out:
+        _write(md_out, table)
+    if json_out:
+        _write(json_out, json.dumps(report, indent=1) + "\n")
+    if plot_out:
+        from gasloc.sim.plot import plot_suite
+        plot_suite(report, plot_out)

@@ -1,0 +1,73 @@
+"""PNGs of validation loss against simulated wall-clock: one run, or a whole suite (one panel per claim)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+COLORS = {"gasloc": "tab:red", "diloco": "tab:blue", "noloco": "tab:green", "gossip": "tab:orange",
+          "local": "tab:gray"}
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _curve(ax, r: dict, label: str, **kw) -> None:
+    t = [e["sim_time_s"] / 60 for e in r["evals"]]
+    ax.plot(t, [e["val_loss_mean"] for e in r["evals"]], label=label,
+            color=COLORS.get(r["config"]["outer"]["algorithm"]), marker=".", markersize=3, **kw)
+
+
+def _save(fig, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def plot_run(result: dict, path: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    c = result["config"]
+    _curve(ax, result, "mean over workers")
+    ax.plot([e["sim_time_s"] / 60 for e in result["evals"]], [e["val_loss_avg_model"] for e in result["evals"]],
+            label="averaged model", color="black", linestyle="--", linewidth=1)
+    ax.set(xlabel="simulated wall-clock (min)", ylabel="validation loss (nats/token)",
+           title=f"{c['outer']['algorithm']}, {c['workers']} workers, {c['topology']}, H={c['inner']['inner_steps']}, "
+                 f"{c['clock']['profile']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(fig, path)
+    plt.close(fig)
+
+
+PANELS = [("a-ring", "(a) H=1, ring"), ("a-random", "(a) H=1, random"), ("b", "(b) H≥20, random, uniform links"),
+          ("c", "(c) half the links 10x slower")]
+
+
+def plot_suite(report: dict, path: str) -> None:
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), layout="constrained")
+    verdict = {c["claim"]: "PASS" if c["passed"] else "FAIL" for c in report["claims"]}
+    runs = report["runs"]
+    for ax, (claim, title) in zip(axes.flat, PANELS):
+        mine = {n: r for n, r in runs.items() if n.startswith(claim + "-")}
+        for name, r in mine.items():
+            _curve(ax, r, name.removeprefix(claim + "-"))
+        if claim == "c" and "c-diloco" in mine:
+            d = mine["c-diloco"]
+            ax.axhline(d["final_val_loss"], color="tab:blue", linestyle=":", linewidth=1,
+                       label="DiLoCo's final loss")
+            ax.axvline(0.6 * d["final_sim_time_s"] / 60, color="black", linestyle=":", linewidth=1,
+                       label="0.6x DiLoCo's time")
+        losses = [e["val_loss_mean"] for r in mine.values() for e in r["evals"][1:]]
+        if losses:  # skip the initial loss so the differences at the end stay visible
+            lo, hi = min(losses), sorted(losses)[int(0.9 * (len(losses) - 1))]
+            ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+        ax.set(title=f"{title}: {verdict.get(claim, '')}", xlabel="simulated wall-clock (min)",
+               ylabel="val loss, mean over workers")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"gasloc sim compare --suite {report['suite']}")
+    _save(fig, path)
+    plt.close(fig)

@@ -1,0 +1,178 @@
+"""One simulated run: K workers of the model in this process, each on its own shard with its own AdamW, driven by
+the engine's virtual clocks through the same inner loop, outer updates and mixing rules as a live peer.
+
+`run(cfg)` returns a JSON-able dict; the same config gives the same dict, bit for bit.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from gasloc.peer.data import build_data, evaluate
+from gasloc.peer.inner import inner_step, make_inner_optimizer, steps_this_round
+from gasloc.peer.model import build_model
+from gasloc.peer.outer import make_outer
+from gasloc.protocol.averaging import exact_mean, mix
+from gasloc.protocol.matching import bandwidth_weights, graph_edges
+from gasloc.sim.clock import build_links
+from gasloc.sim.config import SimConfig
+from gasloc.sim.engine import Engine
+
+log = logging.getLogger(__name__)
+
+# progress(done worker-rounds, total worker-rounds, virtual seconds, last mean val loss or None)
+Progress = Callable[[int, int, float, float | None], None]
+
+
+class SimTrainer:
+    """The tensor side of the engine's Trainer protocol: K models, optimizers, shards and outer updates."""
+
+    def __init__(self, cfg: SimConfig):
+        self.cfg, k = cfg, cfg.workers
+        data = [build_data(cfg.data.model_copy(update={"shard_index": i, "num_shards": k}), cfg.model.seq_len)[0]
+                for i in range(k)]
+        vocab = build_data(cfg.data, cfg.model.seq_len)[1].vocab_size
+        # every worker starts from the same weights, as DiLoCo and a swarm joining from one checkpoint do
+        self.models = [build_model(cfg.model, vocab, seed=cfg.seed) for _ in range(k)]
+        self.eval_model = build_model(cfg.model, vocab, seed=cfg.seed)
+        self.params = [list(m.parameters()) for m in self.models]
+        self.opts = [make_inner_optimizer(m, cfg.inner) for m in self.models]
+        self.outers = [make_outer(cfg.outer, p) for p in self.params]
+        self.data = data
+        self.val = data[0].val_batches()
+        self.steps = [0] * k
+        self.sent: list[list[torch.Tensor] | None] = [None] * k
+        self.mixed: list[list[torch.Tensor] | None] = [None] * k
+        # symmetric weights keep the swarm mean: with two matchings united, 1/3 for every edge (not 1/2 for a
+        # worker that happened to get one partner and 1/3 for its partner that got two)
+        self.weight = cfg.outer.mix_weight
+        if self.weight is None and cfg.num_partners == 2:
+            self.weight = 1 / 3
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.params[0])
+
+    # ---- Trainer protocol (sim/engine.py)
+    def inner(self, i: int, steps: int) -> None:
+        for _ in range(steps):
+            inner_step(self.models[i], self.opts[i], self.data[i].next_batch(), self.steps[i], self.cfg.inner)
+            self.steps[i] += 1
+
+    def send(self, i: int) -> int:
+        self.sent[i] = self.outers[i].outgoing(self.params[i])
+        return sum(t.numel() for t in self.sent[i])
+
+    def mix(self, i: int, partners: list[int]) -> None:
+        own = self.sent[i]
+        self.mixed[i] = mix(own, [self.sent[j] for j in partners], self.weight) if partners else own
+
+    def allreduce(self, workers: list[int]) -> None:
+        if self.weight is None:  # the exact mean, computed once (every update reads `mixed` without writing it)
+            mean = exact_mean([self.sent[j] for j in workers])
+            for i in workers:
+                self.mixed[i] = mean
+        else:
+            for i in workers:
+                self.mixed[i] = mix(self.sent[i], [self.sent[j] for j in workers if j != i], self.weight)
+
+    def apply(self, i: int) -> None:
+        self.outers[i].apply(self.params[i], self.mixed[i])
+        self.sent[i] = self.mixed[i] = None
+
+    # ---- measurement
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        losses = [evaluate(m, self.val) for m in self.models]
+        mean = exact_mean(self.params)
+        for dst, src in zip(self.eval_model.parameters(), mean):
+            dst.copy_(src)
+        mean_norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in mean))
+        dists = [math.sqrt(sum(float((p - q).double().pow(2).sum()) for p, q in zip(ps, mean)))
+                 for ps in self.params]
+        return {"val_loss_mean": sum(losses) / len(losses), "val_loss_avg_model": evaluate(self.eval_model, self.val),
+                "consensus": sum(dists) / len(dists) / mean_norm, "val_loss_workers": losses}
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run(cfg: SimConfig, progress: Progress | None = None) -> dict:
+    """Simulate `cfg` and return the result dict (config, evals, final_val_loss, bytes_sent_per_worker, ...)."""
+    # CPU kernels are deterministic for a fixed thread count (tests check the JSON is identical run to run);
+    # torch.use_deterministic_algorithms would add nothing here but a 3 s import
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        _seed_everything(cfg.seed)
+        return _run(cfg, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: SimConfig, progress: Progress | None) -> dict:
+    k = cfg.workers
+    links = build_links(cfg.clock.profile, k, cfg.clock.base_link())
+    trainer = SimTrainer(cfg)
+    scale = cfg.clock.nominal_params / trainer.num_params if cfg.clock.nominal_params else 1.0
+    edges = graph_edges(cfg.topology, k)
+    weights = bandwidth_weights(k, [x.bandwidth_bps for x in links], edges) if cfg.bandwidth_weighted else None
+    engine = Engine(links, edges, barrier=cfg.barrier, communicates=cfg.outer.communicates,
+                    steps_for=lambda i: steps_this_round(cfg.inner, links[i].seconds_per_step),
+                    wire_bytes=lambda numel: numel * cfg.clock.bytes_per_param * scale,
+                    rng=random.Random(cfg.seed), num_partners=cfg.num_partners, weights=weights,
+                    match_timeout_s=cfg.clock.match_timeout_s)
+    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+    total = k * cfg.rounds
+    evals: list[dict] = []
+
+    def record(t: float) -> dict:
+        e = {"step": engine.total_steps // k, "round": engine.total_rounds / k, "sim_time_s": t,
+             "tokens": engine.total_steps * tokens_per_step, **trainer.evaluate()}
+        evals.append(e)
+        log.info("round=%.2f sim_time_s=%.1f val_loss_mean=%.4f val_loss_avg_model=%.4f consensus=%.4g",
+                 e["round"], t, e["val_loss_mean"], e["val_loss_avg_model"], e["consensus"])
+        return e
+
+    record(0.0)
+    next_eval, stopped_by = cfg.eval_every * k, "max_sim_time"
+    horizon = cfg.max_sim_time_s if cfg.max_sim_time_s is not None else math.inf
+    for t in engine.run(trainer, horizon):
+        done = engine.total_rounds
+        if done >= next_eval or done >= total:
+            next_eval = (done // (cfg.eval_every * k) + 1) * cfg.eval_every * k
+            e = record(t)
+            if cfg.target_val_loss is not None and e["val_loss_mean"] <= cfg.target_val_loss:
+                stopped_by = "target_val_loss"
+                break
+        if progress is not None:
+            progress(min(done, total), total, t, evals[-1]["val_loss_mean"])
+        if done >= total:
+            stopped_by = "rounds"
+            break
+    if evals[-1]["sim_time_s"] != engine.now:
+        record(engine.now)
+    ws = engine.workers
+    return {
+        "config": cfg.model_dump(mode="json"),
+        "links": [x.as_dict() for x in links],
+        "model_params": trainer.num_params,
+        "bytes_scale": scale,
+        "evals": evals,
+        "final_val_loss": evals[-1]["val_loss_mean"],
+        "final_sim_time_s": evals[-1]["sim_time_s"],
+        "tokens": evals[-1]["tokens"],
+        "stopped_by": stopped_by,
+        "bytes_sent_per_worker": [w.bytes_sent for w in ws],
+        "rounds_per_worker": [w.rounds for w in ws],
+        "inner_steps_per_worker": [w.steps for w in ws],
+        "idle_s_per_worker": [w.idle_s for w in ws],
+    }

@@ -1,0 +1,245 @@
+"""`gasloc sim compare`: suites of simulated runs that test the paper's claims, and their markdown report.
+
+A suite is a base config plus named runs (overrides of the base); a run may take its stopping rule from another
+run's result (claim c: run GASLoC until it reaches DiLoCo's final loss or DiLoCo's wall-clock). Each claim reads
+the results and says PASS or FAIL with the numbers it compared. Runs are independent processes when jobs > 1.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gasloc.config import flags_tree
+
+Result = dict
+Results = dict[str, Result]
+SuiteProgress = Callable[[int, int, float, float | None], None]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    overrides: dict                     # dotted keys over the suite's base, e.g. {"outer.algorithm": "diloco"}
+    after: str | None = None            # a run whose result `derive` reads
+    derive: Callable[[Result], dict] | None = None  # -> more dotted overrides, from `after`'s result
+
+
+@dataclass(frozen=True)
+class Claim:
+    name: str
+    text: str
+    check: Callable[[Results], tuple[bool, str]]  # -> (passed, the numbers in words)
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    base: dict
+    runs: list[RunSpec]
+    claims: list[Claim]
+    notes: list[str] = field(default_factory=list)
+
+
+def _final(r: Result) -> float:
+    return r["final_val_loss"]
+
+
+def claim_below(topology: str) -> Callable[[Results], tuple[bool, str]]:
+    def check(res: Results) -> tuple[bool, str]:
+        g, gos, nol = (res[f"a-{topology}-{a}"] for a in ("gasloc", "gossip", "noloco"))
+        equal = g["tokens"] == gos["tokens"] == nol["tokens"]
+        ok = equal and _final(g) < _final(gos) and _final(g) < _final(nol)
+        return ok, (f"GASLoC {_final(g):.4f} vs gossip-AdamW {_final(gos):.4f} ({_final(g) - _final(gos):+.4f}) and "
+                    f"NoLoCo {_final(nol):.4f} ({_final(g) - _final(nol):+.4f}) at {g['tokens']:,} tokens"
+                    + ("" if equal else " (token counts differ!)"))
+    return check
+
+
+def claim_within(tol: float) -> Callable[[Results], tuple[bool, str]]:
+    def check(res: Results) -> tuple[bool, str]:
+        g, d = res["b-gasloc"], res["b-diloco"]
+        rel = _final(g) / _final(d) - 1
+        ok = g["tokens"] == d["tokens"] and rel <= tol
+        return ok, (f"GASLoC {_final(g):.4f} vs DiLoCo {_final(d):.4f}: {100 * rel:+.2f}% (limit +{100 * tol:.0f}%) "
+                    f"at {g['tokens']:,} tokens")
+    return check
+
+
+def time_to_reach(r: Result, loss: float) -> float | None:
+    """Virtual time of the first evaluation at or below `loss` (None: never)."""
+    return next((e["sim_time_s"] for e in r["evals"] if e["val_loss_mean"] <= loss), None)
+
+
+def claim_speedup(limit: float) -> Callable[[Results], tuple[bool, str]]:
+    def check(res: Results) -> tuple[bool, str]:
+        g, d = res["c-gasloc"], res["c-diloco"]
+        target, t_d = _final(d), d["final_sim_time_s"]
+        t_g = time_to_reach(g, target)
+        if t_g is None:
+            best = min(e["val_loss_mean"] for e in g["evals"])
+            return False, (f"DiLoCo ends at {target:.4f} after {t_d:,.0f} s; GASLoC never reached it (best "
+                           f"{best:.4f} by {g['final_sim_time_s']:,.0f} s)")
+        ratio = t_g / t_d
+        return ratio <= limit, (f"DiLoCo ends at {target:.4f} after {t_d:,.0f} s; GASLoC reaches it at {t_g:,.0f} s "
+                                f"= {ratio:.2f}x (limit {limit}x), having used {g['tokens']:,} tokens vs "
+                                f"{d['tokens']:,}")
+    return check
+
+
+def _until_diloco(cap_factor: float) -> Callable[[Result], dict]:
+    """Claim c's GASLoC run stops at DiLoCo's final loss, or at DiLoCo's wall-clock, whichever comes first."""
+    def derive(d: Result) -> dict:
+        return {"target_val_loss": d["final_val_loss"], "max_sim_time_s": d["final_sim_time_s"],
+                "rounds": int(d["config"]["rounds"] * cap_factor)}
+    return derive
+
+
+def paper_like(name: str, *, workers: int, rounds_h1: int, h: int, rounds_h: int, eval_h1: int, eval_h: int,
+               base: dict, gasloc_h1: dict, gasloc_h: dict, gasloc_c: dict, notes: list[str]) -> Suite:
+    runs: list[RunSpec] = []
+    h1 = {"workers": workers, "inner.inner_steps": 1, "rounds": rounds_h1, "eval_every": eval_h1}
+    for topo in ("ring", "random"):
+        runs += [RunSpec(f"a-{topo}-gasloc", {**h1, "topology": topo, "outer.algorithm": "gasloc", **gasloc_h1}),
+                 RunSpec(f"a-{topo}-gossip", {**h1, "topology": topo, "outer.algorithm": "gossip"}),
+                 RunSpec(f"a-{topo}-noloco", {**h1, "topology": topo, "outer.algorithm": "noloco"})]
+    hh = {"workers": workers, "inner.inner_steps": h, "rounds": rounds_h, "eval_every": eval_h}
+    runs += [RunSpec("b-gasloc", {**hh, "topology": "random", "outer.algorithm": "gasloc", **gasloc_h}),
+             RunSpec("b-diloco", {**hh, "outer.algorithm": "diloco"})]
+    slow = {**hh, "clock.profile": "half-slow-10x"}
+    runs += [RunSpec("c-diloco", {**slow, "outer.algorithm": "diloco"}),
+             RunSpec("c-gasloc", {**slow, "topology": "random", "outer.algorithm": "gasloc", **gasloc_c},
+                     after="c-diloco", derive=_until_diloco(3.0))]
+    claims = [
+        Claim("a-ring", f"H=1, ring: GASLoC's final val loss below gossip-AdamW's and NoLoCo's at equal tokens",
+              claim_below("ring")),
+        Claim("a-random", f"H=1, random: GASLoC's final val loss below gossip-AdamW's and NoLoCo's at equal tokens",
+              claim_below("random")),
+        Claim("b", f"H={h}, random: GASLoC within 2% of DiLoCo's final val loss at equal tokens", claim_within(0.02)),
+        Claim("c", "half-slow-10x: GASLoC reaches DiLoCo's final val loss in <= 0.6x DiLoCo's simulated "
+              "wall-clock", claim_speedup(0.6)),
+    ]
+    return Suite(name, base, runs, claims, notes)
+
+
+# ---- running --------------------------------------------------------------------------------------------------
+
+def _config(suite: Suite, spec: RunSpec, extra: dict | None = None):
+    from gasloc.sim.config import SimConfig
+    return SimConfig.model_validate(flags_tree({**suite.base, **spec.overrides, **(extra or {})}))
+
+
+def _timed_run(cfg) -> tuple[Result, dict]:
+    """A run and what it cost on this machine (kept apart from the result, which must be deterministic)."""
+    import time
+
+    from gasloc.sim.runner import run
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = run(cfg)
+    return result, {"wall_s": round(time.perf_counter() - wall, 1), "cpu_s": round(time.process_time() - cpu, 1)}
+
+
+def _run_child(cfg_json: dict) -> tuple[Result, dict]:
+    from gasloc.sim.config import SimConfig
+    return _timed_run(SimConfig.model_validate(cfg_json))
+
+
+def run_suite(suite: Suite, jobs: int = 1, progress: SuiteProgress | None = None) -> dict:
+    """Run every run of `suite` (dependents after their source) and check its claims."""
+    import time
+    started = time.perf_counter()
+    results: Results = {}
+    timing: dict[str, dict] = {}
+    pending = list(suite.runs)
+    total = len(pending)
+
+    def ready() -> list[RunSpec]:
+        out = [s for s in pending if s.after is None or s.after in results]
+        for s in out:
+            pending.remove(s)
+        return out
+
+    def cfg_of(s: RunSpec):
+        return _config(suite, s, s.derive(results[s.after]) if s.derive else None)
+
+    def report_progress(last: Result | None) -> None:
+        if progress is not None:
+            progress(len(results), total, last["final_sim_time_s"] if last else 0.0,
+                     last["final_val_loss"] if last else None)
+
+    report_progress(None)
+    if jobs == 1:
+        while pending:
+            for s in ready():
+                results[s.name], timing[s.name] = _timed_run(cfg_of(s))
+                report_progress(results[s.name])
+    else:
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked torch state
+        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            running: dict[cf.Future, str] = {}
+            while pending or running:
+                for s in ready():
+                    running[pool.submit(_run_child, cfg_of(s).model_dump(mode="json"))] = s.name
+                done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+                for f in done:
+                    name = running.pop(f)
+                    results[name], timing[name] = f.result()
+                    report_progress(results[name])
+    claims = []
+    for c in suite.claims:
+        ok, numbers = c.check(results)
+        claims.append({"claim": c.name, "text": c.text, "passed": ok, "numbers": numbers})
+    order = [s.name for s in suite.runs]
+    return {"suite": suite.name, "base": suite.base, "notes": suite.notes,
+            "runs": {n: results[n] for n in order}, "claims": claims,
+            "timing": {"jobs": jobs, "wall_s": round(time.perf_counter() - started, 1), "runs": {n: timing[n] for n in order},
+                       "cpu_s": round(sum(t["cpu_s"] for t in timing.values()), 1)}}
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+
+def markdown(report: dict) -> str:
+    lines = [f"### Suite `{report['suite']}`", "",
+             "| run | algorithm | topology | profile | H | rounds/worker | tokens | sim time (s) | val loss, mean "
+             "over workers | val loss, averaged model | consensus | GB sent/worker (nominal) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in report["runs"].items():
+        c = r["config"]
+        algo = c["outer"]["algorithm"] + (f" ({c['outer']['form']})" if c["outer"]["algorithm"] == "gasloc" else "")
+        topo = "all-reduce" if c["outer"]["algorithm"] == "diloco" else c["topology"]
+        rounds = r["rounds_per_worker"]
+        rw = f"{min(rounds)}" if min(rounds) == max(rounds) else f"{min(rounds)}-{max(rounds)}"
+        e = r["evals"][-1]
+        gb = sum(r["bytes_sent_per_worker"]) / len(r["bytes_sent_per_worker"]) / 1e9
+        lines.append(f"| {name} | {algo} | {topo} | {c['clock']['profile']} | {c['inner']['inner_steps']} | {rw} | "
+                     f"{r['tokens']:,} | {e['sim_time_s']:,.0f} | {e['val_loss_mean']:.4f} | "
+                     f"{e['val_loss_avg_model']:.4f} | {e['consensus']:.3g} | {gb:,.1f} |")
+    lines += ["", "| claim | result | numbers |", "|---|---|---|"]
+    for c in report["claims"]:
+        lines.append(f"| ({c['claim']}) {c['text']} | **{'PASS' if c['passed'] else 'FAIL'}** | {c['numbers']} |")
+    t = report.get("timing")
+    if t:
+        lines += ["", f"Ran in {t['wall_s']:,.0f} s wall-clock with {t['jobs']} job(s), {t['cpu_s']:,.0f} CPU-seconds "
+                      "in all."]
+    return "\n".join(lines) + "\n"
+
+
+# ---- the suites -----------------------------------------------------------------------------------------------
+
+# Shared by every run of a suite; claims (a)-(c) override H, rounds, topology, algorithm and profile.
+PAPER_BASE = {"model.preset": "tiny", "model.seq_len": 64, "data.batch_size": 4, "data.val_batches": 2,
+              "inner.lr": 2e-3, "inner.warmup_steps": 50}
+
+SUITES: dict[str, Suite] = {
+    "paper": paper_like(
+        "paper", workers=8, rounds_h1=250, h=20, rounds_h=30, eval_h1=25, eval_h=3, base=PAPER_BASE,
+        gasloc_h1={"outer.outer_lr": 0.5, "outer.momentum": 0.5}, gasloc_h={}, gasloc_c={},
+        notes=[]),
+    # seconds-long: the same runs and claims at toy size (the claims' verdicts mean nothing here)
+    "smoke": paper_like(
+        "smoke", workers=4, rounds_h1=4, h=3, rounds_h=2, eval_h1=2, eval_h=1,
+        base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
+              "inner.warmup_steps": 2},
+        gasloc_h1={}, gasloc_h={}, gasloc_c={}, notes=["a plumbing check; its verdicts say nothing"]),
+}

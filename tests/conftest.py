@@ -1,0 +1,123 @@
+"""Session-wide leak check: nothing the test run started may outlive it.
+
+A watcher thread records, every second, every process below pytest (DHT forks, p2pd, gasloc subprocesses) and
+the unix sockets they and pytest itself hold (hivemind's /tmp/hivemind-p2p*-*.sock). At the end of the session any
+such process still alive, socket file still on disk or /dev/shm/torch_<pid>_* file of a finished process fails
+the run (exit status 1) after being killed / removed, so one leaky test cannot leave debris for the next run.
+Per-test checks of gasloc subprocesses live in tests/e2e/conftest.py; this catches the rest (in-process swarms).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from gasloc.procs import descendants, is_alive, process_table, socket_inodes, unix_socket_paths
+
+
+class SessionWatch:
+    def __init__(self, interval_s: float = 1.0):
+        self.root = os.getpid()
+        self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start ticks, comm)
+        self.sockets: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(interval_s,), daemon=True, name="leak-watch")
+        self._thread.start()
+
+    def snapshot(self) -> None:
+        table = process_table()
+        pids = descendants({self.root}, table)
+        paths = unix_socket_paths()
+        for pid in pids | {self.root}:
+            self.sockets |= {paths[i] for i in socket_inodes(pid) if i in paths and "hivemind" in paths[i]}
+        for pid in pids:
+            st = table.get(pid)
+            if st is not None and st.state not in ("Z", "X"):
+                self.seen.setdefault(pid, (st.start_ticks, st.comm))
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.snapshot()
+            except OSError:
+                pass  # a process vanished mid-read; the next pass sees the new state
+
+    def finish(self, settle_s: float = 10.0) -> list[str]:
+        self._stop.set()
+        self._thread.join(5)
+        self.snapshot()
+        deadline = time.monotonic() + settle_s
+        alive = self._alive()
+        # children may still be exiting (torch_shm_manager lingers ~3 s and then removes its /dev/shm files)
+        while (alive or self._shm()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = self._alive()
+        problems = []
+        if alive:
+            problems.append(f"processes still running: {', '.join(f'{p} {c}' for p, c in alive)}")
+            for pid, _ in alive:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        stale = sorted(p for p in self.sockets if os.path.exists(p) and p not in self._bound())
+        shm = self._shm()
+        if stale:
+            problems.append(f"hivemind unix sockets left: {', '.join(stale)}")
+        if shm:
+            problems.append(f"/dev/shm files left: {', '.join(shm)}")
+        for path in stale + shm:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        return problems
+
+    def _alive(self) -> list[tuple[int, str]]:
+        out = []
+        for pid, (start, comm) in list(self.seen.items()):
+            try:
+                os.waitpid(pid, os.WNOHANG)  # reap it if it is our direct child and a zombie
+            except ChildProcessError:
+                pass
+            # torch_shm_manager serves pytest's own hivemind futures too and exits ~3 s after its last client
+            if is_alive(pid, start) and comm != "torch_shm_manag":
+                out.append((pid, comm))
+        return out
+
+    def _shm(self) -> list[str]:
+        # pytest's own MPFuture buffer is still in use until it exits: only finished processes count
+        return sorted(f for pid in self.seen for f in glob.glob(f"/dev/shm/torch_{pid}_*"))
+
+    def _bound(self) -> set[str]:
+        # a socket file still bound by a live process of pytest itself (a module-level hivemind object) is not stale
+        paths = unix_socket_paths()
+        return {paths[i] for i in socket_inodes(self.root) if i in paths}
+
+
+_watch: SessionWatch | None = None
+
+
+def pytest_sessionstart(session):
+    global _watch
+    _watch = SessionWatch()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    if _watch is None:
+        return
+    problems = _watch.finish()
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        for p in problems:
+            line = f"LEAK CHECK FAILED: {p} (killed/removed now)"
+            if reporter is not None:
+                reporter.write_line(line, red=True)
+            else:
+                print(line)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,109 @@
+"""`gasloc swarm` (the README demo) as a real process: it trains, summarizes, plots and leaves nothing behind;
+Ctrl+C stops it the same way; a peer that fails makes it exit 1."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def assert_nothing_left(harness, name):
+    assert harness.wait_tree_gone(name, 15), harness.leftovers(name)
+    left = harness.sup.settle()
+    assert not left.processes and not left.sockets, left
+
+
+def read_summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, (path, len(data))
+
+
+@pytest.mark.timeout(300)
+def test_swarm_trains_summarizes_plots_and_cleans_up(harness):
+    run_dir = harness.run_dir / "demo"
+    harness.spawn("swarm", "swarm", "--peers", "2", "--duration", "40", "--run-dir", run_dir)
+    assert harness.wait_exit("swarm", 240) == 0, harness.log("swarm")
+    out = harness.child("swarm").stdout_path.read_text()
+    assert "summary" in out and "peer-0" in out and "peer-1" in out, out
+
+    s = read_summary(run_dir)
+    assert s["failed"] == [] and s["bootstrap_exit"] == 0
+    for me, other in (("peer-0", "peer-1"), ("peer-1", "peer-0")):
+        p = s["peers"][me]
+        assert p["status"] == "stopped", p
+        assert p["rounds"] >= 2, p
+        assert p["exchanges_ok"] >= 1 and p["partners"] == [other], p
+        assert p["last_loss"] < p["first_loss"], p
+    assert_png(run_dir / "swarm.png")
+    # the documented layout
+    for f in ("bootstrap.maddrs", "bootstrap.log", "peer-0/metrics.jsonl", "peer-0/peer.log",
+              "peer-1/metrics.jsonl", "peer-1/peer.log"):
+        assert (run_dir / f).is_file(), f
+    # every process of the swarm's tree (bootstrap, peers, their DHT forks and p2pds) is gone, no socket left
+    comms = [c for _, c in harness.tree("swarm")]
+    assert comms.count("p2pd") >= 3, comms  # the harness really saw the trees it now checks
+    assert_nothing_left(harness, "swarm")
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_stops_with_a_summary(harness, tmp_path):
+    run_dir = harness.run_dir / "demo"
+    peer_toml = tmp_path / "peer.toml"
+    peer_toml.write_text("[inner]\ninner_steps = 7\n")  # reaches every peer through --peer-config
+    harness.spawn("swarm", "swarm", "--peers", "2", "--duration", "0", "--run-dir", run_dir, "--peer-config",
+                  peer_toml)
+    harness.wait_until(lambda: any(r.get("event") == "round" for r in harness.metrics("demo/peer-0")), 150,
+                       "peer-0's first round", alive=("swarm",))
+    harness.interrupt("swarm")
+    assert harness.wait_exit("swarm", 60) == 0, harness.log("swarm")
+    rounds = [r for r in harness.metrics("demo/peer-0") if r.get("event") == "round"]
+    assert rounds[0]["inner_steps"] == 7, rounds[0]  # (a round cut short by the stop has fewer)
+    s = read_summary(run_dir)
+    assert s["failed"] == [] and all(p["status"] == "stopped" for p in s["peers"].values()), s
+    assert_png(run_dir / "swarm.png")
+    assert_nothing_left(harness, "swarm")
+
+
+@pytest.mark.timeout(240)
+def test_kill9_of_the_swarm_command_stops_its_children(harness):
+    """Even SIGKILL of `gasloc swarm` leaves nothing: its children get SIGTERM from the kernel (PR_SET_PDEATHSIG)
+    and shut down cleanly."""
+    run_dir = harness.run_dir / "demo"
+    harness.spawn("swarm", "swarm", "--peers", "2", "--duration", "0", "--run-dir", run_dir)
+    harness.wait_until(lambda: "peers ready" in harness.child("swarm").stdout_path.read_text(), 150,
+                       "the peers to be ready", alive=("swarm",))
+    assert {"p2pd"} <= {c for _, c in harness.tree("swarm")}
+    harness.kill("swarm")
+    assert harness.wait_tree_gone("swarm", 60), harness.leftovers("swarm")
+    for name in ("peer-0", "peer-1"):
+        stops = [r for r in harness.metrics(f"demo/{name}") if r.get("event") == "stop"]
+        assert stops and stops[-1]["reason"] == "SIGTERM", (name, stops)
+
+
+@pytest.mark.timeout(120)
+def test_failing_peer_makes_it_exit_1(harness):
+    """Arguments after -- go to every peer: an invalid one makes each peer exit 2 before READY."""
+    run_dir = harness.run_dir / "demo"
+    harness.spawn("swarm", "swarm", "--peers", "2", "--duration", "30", "--run-dir", run_dir, "--",
+                  "--max-rounds", "0")
+    assert harness.wait_exit("swarm", 90) == 1
+    out = harness.child("swarm").stdout_path.read_text()
+    assert "exited with code 2 before READY" in out and "max_rounds" in out, out
+    assert "failed:" in out
+    assert_nothing_left(harness, "swarm")
+
+
+def test_refuses_non_empty_run_dir_and_bad_options(harness):
+    run_dir = harness.run_dir / "used"
+    run_dir.mkdir()
+    (run_dir / "old.txt").write_text("x")
+    r = harness.run("swarm", "--peers", "2", "--run-dir", run_dir, timeout_s=60)
+    assert r.returncode == 2 and "is not empty" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = harness.run("swarm", "--peers", "0", timeout_s=60)
+    assert r.returncode == 2 and "'peers'" in r.stderr, r.stderr
+    r = harness.run("swarm", "--print-config", "--peers", "3", timeout_s=60)
+    assert r.returncode == 0 and "peers = 3" in r.stdout

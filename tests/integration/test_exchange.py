@@ -1,0 +1,373 @@
+"""The pairwise exchange over real p2pd daemons on loopback: success, busy, hostile partners and dying partners."""
+import asyncio
+import signal
+import struct
+import time
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+
+from p2p_helpers import Partner, arun, first_maddr, p2p_nodes, rss_bytes
+from gasloc.peer.channel import Channel, read_header
+from gasloc.peer.exchange import ExchangeConfig, Exchanger, Outcome
+from gasloc.protocol.codes import Code
+from gasloc.protocol.messages import (PROTOCOL_VERSION, ExchangeReply, ExchangeRequest, TensorSpec, fingerprint,
+                                      payload_bytes, specs_of)
+from gasloc.protocol.wire import encode_header
+
+NS = "xtest"
+FP = fingerprint(preset="test", seq_len=16)
+SHAPES = [(300, 500), (77,), ()]
+SPECS = specs_of([(s, "float32") for s in SHAPES])
+
+
+def tensors(seed, shapes=SHAPES):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def exchanger(p2p, shapes=SHAPES, members=None, **cfg):
+    cfg.setdefault("exchange_timeout_s", 10.0)
+    return Exchanger(ExchangeConfig(**cfg), p2p, specs=[(s, torch.float32) for s in shapes], fingerprint=FP,
+                     is_member=(lambda peer: True) if members is None else (lambda peer: str(peer) in members),
+                     namespace=NS)
+
+
+def assert_unchanged(offered, saved):
+    assert all(torch.equal(a, b) for a, b in zip(offered, saved))
+
+
+@pytest.mark.timeout(60)
+def test_exchange_fp32_bit_exact_both_ways_then_offer_is_used():
+    async def main():
+        async with p2p_nodes(3) as (a, b, c):
+            ea, eb, ec = exchanger(a), exchanger(b), exchanger(c)
+            for e in (ea, eb, ec):
+                await e.start()
+            ta, tb, tc = tensors(1), tensors(2), tensors(3)
+            ea.offer(ta, round=4)
+            eb.offer(tb, round=9)
+            res = await eb.exchange(a.peer_id)
+            inc = await ea.wait_incoming(5)
+            assert res.outcome is Outcome.ok and inc.outcome is Outcome.ok, (res.detail, inc.detail)
+            assert all(torch.equal(x, y) for x, y in zip(res.tensors, ta))
+            assert all(torch.equal(x, y) for x, y in zip(inc.tensors, tb))
+            assert (res.role, res.round, res.partner_round, res.partner) == ("initiator", 9, 4, str(a.peer_id))
+            assert (inc.role, inc.round, inc.partner_round, inc.partner) == ("responder", 4, 9, str(b.peer_id))
+            payload = payload_bytes(SPECS, "float32")
+            assert payload < res.bytes_sent < payload + 4096 and payload < res.bytes_received < payload + 4096
+            # one exchange per offer: both are used now
+            ec.offer(tc, round=1)
+            again = await ec.exchange(a.peer_id)
+            assert again.outcome is Outcome.busy and again.code == Code.BUSY and again.tensors is None
+            local = await eb.exchange(c.peer_id)
+            assert local.outcome is Outcome.busy and "already used" in local.detail
+            assert await ea.wait_incoming(0) is None
+            for e in (ea, eb, ec):
+                await e.stop()
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wire_a,wire_b", [("float16", "bfloat16"), ("bfloat16", "float32")])
+def test_exchange_16bit_wire_within_tolerance(wire_a, wire_b):
+    async def main():
+        async with p2p_nodes(2) as (a, b):
+            ea, eb = exchanger(a, wire_dtype=wire_a), exchanger(b, wire_dtype=wire_b)
+            await ea.start(), await eb.start()
+            ta, tb = tensors(1), tensors(2)
+            ea.offer(ta, 0), eb.offer(tb, 0)
+            res = await ea.exchange(b.peer_id)
+            inc = await eb.wait_incoming(5)
+            assert res.ok and inc.ok
+            tol = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 0.0}
+            for got, sent, wire in ((res.tensors, tb, wire_b), (inc.tensors, ta, wire_a)):
+                for x, y in zip(got, sent):
+                    assert x.dtype == torch.float32 and x.shape == y.shape
+                    # relative error of one rounding to the wire format (float16: 2^-11, bfloat16: 2^-8)
+                    assert torch.allclose(x, y, rtol=tol[wire], atol=1e-4 if wire == "float16" else 0.0)
+                    if wire != "float32":
+                        assert not torch.equal(x, y) or x.numel() <= 1
+            want = payload_bytes(SPECS, wire_a)
+            assert want < res.bytes_sent < want + 4096
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_busy_without_offer_and_simultaneous_calls():
+    async def main():
+        async with p2p_nodes(2) as (a, b):
+            ea, eb = exchanger(a), exchanger(b)
+            await ea.start(), await eb.start()
+            eb.offer(tensors(2), 0)
+            res = await eb.exchange(a.peer_id)
+            assert res.outcome is Outcome.busy and res.code == Code.BUSY and "no free offer" in res.detail
+            with pytest.raises(RuntimeError, match="offer"):
+                await ea.exchange(b.peer_id)
+            # A->B and B->A at the same moment: a side engaged as initiator answers BUSY, so both get busy, or
+            # (when one BUSY answer returns before the other request lands) exactly one exchange happens
+            ea.offer(tensors(1), 0)
+            r1, r2 = await asyncio.gather(ea.exchange(b.peer_id), eb.exchange(a.peer_id))
+            outcomes = sorted([r1.outcome.value, r2.outcome.value])
+            assert outcomes in (["busy", "busy"], ["busy", "ok"]), (r1.detail, r2.detail)
+            if outcomes == ["busy", "busy"]:
+                r3 = await ea.exchange(b.peer_id)          # a retry succeeds
+                assert r3.ok
+            responder = eb if r1.ok or outcomes == ["busy", "busy"] else ea
+            assert (await responder.wait_incoming(5)).ok
+    arun(main())
+
+
+async def raw_request(p2p, peer, frame: bytes, read_reply=True):
+    """Send raw bytes as a request; the responder's reply header."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer, f"{NS}::gasloc.exchange.v{PROTOCOL_VERSION}")
+    ch = Channel.take_over(reader, writer)
+    try:
+        await ch.write(frame)
+        return await asyncio.wait_for(read_header(ch, ExchangeReply), 5)
+    finally:
+        ch.close()
+
+
+def request_frame(**over):
+    fields = dict(protocol_version=PROTOCOL_VERSION, fingerprint=FP, round=0, wire_dtype="float32",
+                  specs=tuple(SPECS), total_bytes=payload_bytes(SPECS, "float32"))
+    fields.update(over)
+    return encode_header(ExchangeRequest(**fields))
+
+
+@pytest.mark.timeout(60)
+def test_garbage_requests_get_codes_and_change_nothing():
+    async def main():
+        async with p2p_nodes(3) as (a, b, c):
+            ea = exchanger(a, members={str(b.peer_id)})       # c is not a member
+            await ea.start()
+            ta = tensors(1)
+            saved = [t.clone() for t in ta]
+            ea.offer(ta, 0)
+            wrong_shape = (TensorSpec(shape=(500, 300), dtype="float32"), *SPECS[1:])
+            body = b'{"protocol_version": 1, "fingerprint": '
+            cases = [
+                (request_frame(specs=wrong_shape), Code.BAD_SHAPE),
+                (request_frame(specs=tuple(SPECS[:2]), total_bytes=payload_bytes(SPECS[:2], "float32")),
+                 Code.BAD_SHAPE),
+                (request_frame(specs=(TensorSpec(shape=(300, 500), dtype="float64"), *SPECS[1:])), Code.BAD_DTYPE),
+                (request_frame(wire_dtype="int8"), Code.BAD_DTYPE),
+                (request_frame(fingerprint="someone-else"), Code.BAD_FINGERPRINT),
+                (request_frame(protocol_version=PROTOCOL_VERSION + 1), Code.BAD_VERSION),
+                (request_frame(total_bytes=1 << 40), Code.TOO_LARGE),
+                (request_frame(total_bytes=123), Code.BAD_HEADER),
+                (struct.pack(">I", len(body)) + body, Code.BAD_HEADER),              # truncated JSON
+                (struct.pack(">I", 0xFFFFFFFF), Code.BAD_HEADER),                    # 4 GiB header declared
+            ]
+            for frame, code in cases:
+                reply = await raw_request(b, a.peer_id, frame)
+                assert Code(reply.code) == code, (code, reply.message)
+                assert reply.message
+            reply = await raw_request(c, a.peer_id, request_frame())
+            assert Code(reply.code) == Code.NOT_MEMBER
+            assert_unchanged(ta, saved)
+            assert await ea.wait_incoming(0) is None         # rejected requests are not exchanges
+            # the responder survived all of it and still exchanges
+            eb = exchanger(b)
+            await eb.start()
+            eb.offer(tensors(2), 0)
+            assert (await eb.exchange(a.peer_id)).ok
+            # and the initiator side checks membership too
+            ec = exchanger(c, members=set())
+            ec.offer(tensors(3), 0)
+            res = await ec.exchange(a.peer_id)
+            assert res.outcome is Outcome.rejected and res.code == Code.NOT_MEMBER
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_nan_partner_rejected_on_both_sides_offer_stays_usable():
+    async def main():
+        async with p2p_nodes(3) as (a, b, c):
+            ea, eb, ec = exchanger(a), exchanger(b, wire_dtype="float16"), exchanger(c)
+            for e in (ea, eb, ec):
+                await e.start()
+            ta = tensors(1)
+            saved = [t.clone() for t in ta]
+            bad = tensors(2)
+            bad[0][17, 3] = float("nan")
+            ea.offer(ta, 0), eb.offer(bad, 0)
+            res = await eb.exchange(a.peer_id)
+            inc = await ea.wait_incoming(5)
+            # both agree: A found NaN in B's tensors, so neither side keeps the other's state
+            assert res.outcome is Outcome.rejected and res.code == Code.NOT_FINITE and res.tensors is None
+            assert inc.outcome is Outcome.rejected and inc.code == Code.NOT_FINITE and inc.tensors is None
+            assert_unchanged(ta, saved)
+            ec.offer(tensors(3), 0)                  # a failed exchange does not use up A's offer
+            assert (await ec.exchange(a.peer_id)).ok
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_garbage_replies_rejected_by_the_initiator():
+    async def main():
+        async with p2p_nodes(2) as (a, b):
+            replies = {}
+
+            async def fake_responder(info, reader, writer):
+                ch = Channel.take_over(reader, writer)
+                await read_header(ch, ExchangeRequest)
+                mode = replies["mode"]
+                if mode == "wrong_shape":
+                    specs = tuple(SPECS[::-1])
+                    await ch.write(encode_header(ExchangeReply(protocol_version=1, code=0, fingerprint=FP,
+                                                               specs=specs, total_bytes=payload_bytes(specs))))
+                elif mode == "too_large":
+                    await ch.write(encode_header(ExchangeReply(protocol_version=1, code=0, fingerprint=FP,
+                                                               specs=tuple(SPECS), total_bytes=1 << 40)))
+                elif mode == "ok_then_eof":
+                    await ch.write(encode_header(ExchangeReply(protocol_version=1, code=0, fingerprint=FP,
+                                                               specs=tuple(SPECS),
+                                                               total_bytes=payload_bytes(SPECS, "float32"))))
+                    await ch.write(b"\x00" * 1000)
+                elif mode == "junk":
+                    await ch.write(b"\x00\x00\x00\x05hello")
+                ch.close()
+
+            await b.add_binary_stream_handler(f"{NS}::gasloc.exchange.v{PROTOCOL_VERSION}", fake_responder)
+            ea = exchanger(a)
+            ta = tensors(1)
+            for mode, outcome, code in [("wrong_shape", Outcome.rejected, Code.BAD_SHAPE),
+                                        ("too_large", Outcome.rejected, Code.TOO_LARGE),
+                                        ("junk", Outcome.rejected, Code.BAD_HEADER),
+                                        ("ok_then_eof", Outcome.failed, None)]:
+                replies["mode"] = mode
+                ea.offer(ta, 0)
+                res = await ea.exchange(b.peer_id)
+                assert (res.outcome, res.code, res.tensors) == (outcome, code, None), (mode, res.detail)
+                assert ea.engaged is None
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_declared_oversized_stream_memory_bounded():
+    """A partner declares 1 TiB and pushes 300 MB regardless: TOO_LARGE, receiver RSS barely moves."""
+    async def main():
+        async with p2p_nodes(1) as (a,):
+            ea = exchanger(a)
+            await ea.start()
+            ta = tensors(1)
+            saved = [t.clone() for t in ta]
+            ea.offer(ta, 0)
+            before = rss_bytes()
+            async with Partner("flood", NS, FP, await first_maddr(a), 300) as p:
+                words = await p.expect("REPLY", timeout=40)
+                grown = rss_bytes() - before
+            assert words[1] == "TOO_LARGE"
+            assert grown < 48e6, f"receiver RSS grew by {grown / 1e6:.0f} MB"
+            assert_unchanged(ta, saved)
+            assert await ea.wait_incoming(0) is None
+    arun(main())
+
+
+NUMEL_BIG = 4_000_000     # 16 MB each way: the partner is mid-stream when it is killed
+
+
+@pytest.mark.timeout(60)
+def test_initiator_killed_mid_exchange_responder_fails_fast_and_stays_usable():
+    async def main():
+        async with p2p_nodes(2) as (a, c):
+            shapes = [(NUMEL_BIG,)]
+            ea, ec = exchanger(a, shapes, exchange_timeout_s=20), exchanger(c, shapes)
+            await ea.start(), await ec.start()
+            ea.offer(tensors(1, shapes), 0)
+            async with Partner("initiate-half", NS, FP, NUMEL_BIG, await first_maddr(a)) as p:
+                assert (await p.expect("REPLY"))[1] == "OK"
+                await p.expect("HALF")
+                ec.offer(tensors(3, shapes), 0)
+                busy = await ec.exchange(a.peer_id)       # A is engaged with the partner
+                assert busy.outcome is Outcome.busy and "engaged" in busy.detail
+                t0 = time.monotonic()
+                p.kill(signal.SIGKILL)
+                inc = await ea.wait_incoming(20)
+                waited = time.monotonic() - t0
+            assert inc is not None and inc.outcome is Outcome.failed and inc.tensors is None, inc
+            assert waited < 5, f"responder noticed the dead partner after {waited:.1f} s"
+            assert 0 < inc.bytes_received < payload_bytes(specs_of([((NUMEL_BIG,), "float32")]))
+            res = await ec.exchange(a.peer_id)             # A's offer survives a failed exchange
+            assert res.ok
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_responder_killed_or_stalled_mid_exchange(how):
+    """kill -9: failed at once (stream reset). SIGSTOP: no FIN, no RST; our deadline fires (not libp2p's 37 s)."""
+    async def main():
+        async with Partner("respond-half", NS, FP, NUMEL_BIG) as p:
+            async with p2p_nodes(1, initial_peers=[p.maddr]) as (a,):
+                deadline = 3.0
+                ea = exchanger(a, [(NUMEL_BIG,)], exchange_timeout_s=deadline)
+                ea.offer(tensors(1, [(NUMEL_BIG,)]), 0)
+                task = asyncio.ensure_future(ea.exchange(p.peer_id))
+                await p.expect("HALF")
+                t0 = time.monotonic()
+                p.kill(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+                res = await task
+                waited = time.monotonic() - t0
+                if how == "kill":
+                    assert res.outcome is Outcome.failed and waited < 2.5, (res, waited)
+                else:
+                    assert res.outcome is Outcome.timeout and res.code == Code.TIMEOUT
+                    assert res.seconds < deadline + 0.5
+                assert res.tensors is None and ea.engaged is None
+                p.kill(signal.SIGKILL)
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_or_stopped_partner_fails_within_accept_timeout():
+    async def main():
+        async with p2p_nodes(2) as (a, b):
+            ea, eb = exchanger(a, accept_timeout_s=1.0), exchanger(b)
+            ea.offer(tensors(1), 0)
+            stranger = PeerID.from_base58("12D3KooWSvbABh9LS3SUw9666sg5X1qhUeSV2Z4o92FxHtm63REp")
+            res = await ea.exchange(stranger)
+            assert res.outcome in (Outcome.failed, Outcome.timeout) and res.seconds < 1.5, res
+            await eb.start()
+            await eb.stop()                                # handler removed: p2pd refuses the protocol
+            res = await ea.exchange(b.peer_id)
+            assert res.outcome is Outcome.failed and "protocols not supported" in res.detail, res
+            assert ea.engaged is None
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_withdraw_returns_uncollected_results_and_stops_accepting():
+    async def main():
+        async with p2p_nodes(2) as (a, b):
+            ea, eb = exchanger(a), exchanger(b)
+            await ea.start(), await eb.start()
+            ea.offer(tensors(1), 0), eb.offer(tensors(2), 0)
+            assert (await eb.exchange(a.peer_id)).ok
+            left = await ea.withdraw()
+            assert len(left) == 1 and left[0].ok and left[0].role == "responder"
+            eb.offer(tensors(2), 1)
+            assert (await eb.exchange(a.peer_id)).outcome is Outcome.busy
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_withdraw_cancels_an_incoming_exchange_before_the_verdict():
+    async def main():
+        async with p2p_nodes(1) as (a,):
+            shapes = [(NUMEL_BIG,)]
+            ea = exchanger(a, shapes, exchange_timeout_s=20)
+            await ea.start()
+            ea.offer(tensors(1, shapes), 0)
+            async with Partner("initiate-half", NS, FP, NUMEL_BIG, await first_maddr(a)) as p:
+                await p.expect("HALF")
+                assert ea.engaged is not None and ea.engaged.startswith("responder:")
+                t0 = time.monotonic()
+                assert await ea.withdraw() == []
+                assert ea.engaged is None and time.monotonic() - t0 < 1
+                assert await ea.wait_incoming(0) is None
+            await ea.stop()
+    arun(main())

@@ -1,0 +1,117 @@
+"""Joining mid-run: state download from donors over real p2pd daemons, with dying and lying donors."""
+import asyncio
+import time
+
+import pytest
+import torch
+
+from gasloc.peer.channel import Channel, read_header
+from gasloc.peer.state_transfer import (StateDownloadError, StateServer, StateTransferConfig, download_state,
+                                        handler_name)
+from gasloc.protocol.codes import Code
+from gasloc.protocol.messages import PROTOCOL_VERSION, StateReply, StateRequest, TensorSpec, fingerprint, payload_bytes
+from gasloc.protocol.wire import encode_header
+from p2p_helpers import Partner, arun, p2p_nodes
+
+NS = "stest"
+FP = fingerprint(preset="test", seq_len=16)
+SHAPES = [(200, 300), (50,), ()]
+SPECS = [(s, torch.float32) for s in SHAPES]
+
+
+def state(seed, shapes=SHAPES):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def server(p2p, tensors, metadata=None, fp=FP):
+    meta = {"round": 12, "run": "r1"} if metadata is None else metadata
+    return StateServer(p2p, lambda: (dict(meta), [t.clone() for t in tensors]), fp, NS)
+
+
+CFG = StateTransferConfig(per_donor_timeout_s=10, accept_timeout_s=3)
+
+
+@pytest.mark.timeout(60)
+def test_download_params_and_outer_state_bit_exact():
+    async def main():
+        async with p2p_nodes(3) as (donor, plain_donor, joiner):
+            params, outer = state(1), state(2, [(200, 300)])
+            s1 = server(donor, params + outer, {"round": 12, "num_outer": 1})
+            s2 = server(plain_donor, params)
+            await s1.start(), await s2.start()
+            meta, got = await download_state(joiner, [donor.peer_id], SPECS, FP, CFG, NS,
+                                             outer_specs=[((200, 300), torch.float32)])
+            assert meta["round"] == 12 and meta["num_outer"] == 1 and len(got) == 4
+            assert all(torch.equal(x, y) for x, y in zip(got, params + outer))
+            # a joiner that wants outer state accepts a donor without it, and one that does not want it refuses it
+            meta, got = await download_state(joiner, [plain_donor.peer_id], SPECS, FP, CFG, NS,
+                                             outer_specs=[((200, 300), torch.float32)])
+            assert meta["num_outer"] == 0 and meta["run"] == "r1" and len(got) == 3
+            with pytest.raises(StateDownloadError, match="BAD_SHAPE"):
+                await download_state(joiner, [donor.peer_id], SPECS, FP, CFG, NS)
+            await s1.stop(), await s2.stop()
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_donor_killed_mid_transfer_falls_back_to_next_donor():
+    numel = 4_000_000
+    shapes = [(numel,)]
+
+    async def main():
+        async with Partner("donor-half", NS, FP, numel) as bad:
+            async with p2p_nodes(2, initial_peers=[bad.maddr]) as (good, joiner):
+                params = state(3, shapes)
+                s = server(good, params)
+                await s.start()
+                async def kill_at_half():
+                    await bad.expect("HALF")
+                    bad.kill()
+                killer = asyncio.ensure_future(kill_at_half())
+                t0 = time.monotonic()
+                meta, got = await download_state(joiner, [bad.peer_id, good.peer_id], [(shapes[0], torch.float32)],
+                                                 FP, CFG, NS)
+                await killer
+                assert time.monotonic() - t0 < 8
+                assert torch.equal(got[0], params[0]) and meta["round"] == 12
+                await s.stop()
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_corrupt_checksum_nan_and_wrong_fingerprint_rejected():
+    async def main():
+        async with p2p_nodes(5) as (liar, nan_donor, stranger, good, joiner):
+            params = state(4)
+            payload = [t.clone() for t in params]
+            specs = tuple(TensorSpec.of(t.shape, t.dtype) for t in payload)
+
+            async def lying_donor(info, reader, writer):      # correct header and bytes, wrong checksum
+                ch = Channel.take_over(reader, writer)
+                await read_header(ch, StateRequest)
+                await ch.write(encode_header(StateReply(protocol_version=PROTOCOL_VERSION, code=0, fingerprint=FP,
+                                                        round=3, specs=specs, total_bytes=payload_bytes(specs),
+                                                        sha256="ab" * 32)))
+                for t in payload:
+                    await ch.write(t.reshape(-1).view(torch.uint8).numpy())
+                await ch.readexactly(1)
+                ch.close()
+
+            await liar.add_binary_stream_handler(handler_name(NS), lying_donor)
+            bad = state(5)
+            bad[1][3] = float("inf")
+            servers = [server(nan_donor, bad), server(stranger, params, fp="other"), server(good, params)]
+            for s in servers:
+                await s.start()
+            for donor, code in [(liar, "BAD_CHECKSUM"), (nan_donor, "NOT_FINITE"), (stranger, "BAD_FINGERPRINT")]:
+                with pytest.raises(StateDownloadError, match=code):
+                    await download_state(joiner, [donor.peer_id], SPECS, FP, CFG, NS)
+            meta, got = await download_state(joiner, [liar.peer_id, nan_donor.peer_id, stranger.peer_id,
+                                                      good.peer_id], SPECS, FP, CFG, NS)
+            assert all(torch.equal(x, y) for x, y in zip(got, params))
+            with pytest.raises(StateDownloadError, match="no donors given"):
+                await download_state(joiner, [], SPECS, FP, CFG, NS)
+            for s in servers:
+                await s.stop()
+    arun(main())

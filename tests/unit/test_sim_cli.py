@@ -1,0 +1,89 @@
+"""`gasloc sim` and `gasloc sim compare` through click: errors are one line with exit code 2; outputs exist."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from gasloc.main import cli
+
+TOY = ["--workers", "2", "--rounds", "2", "--inner-steps", "2", "--seq-len", "32", "--batch-size", "2",
+       "--val-batches", "1", "--eval-every", "1"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, ["sim", *args])
+
+
+def one_line_error(res, needle):
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
+    assert len(lines) == 1 and needle in lines[0], res.output
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--algorithm", "sgd"], "'sgd' is not one of"),
+    (["--num-partners", "3"], "--num-partners"),
+    (["--workers", "0"], "bad value for 'workers'"),
+    (["--workers", "1", "--algorithm", "gasloc"], "needs at least 2 workers"),
+    (["--algorithm", "gossip", "--momentum", "0.5"], "gossip"),
+    (["--model", "huge"], "unknown preset 'huge'"),
+])
+def test_bad_flags(args, needle):
+    one_line_error(invoke(*args), needle)
+
+
+def test_bad_profile_file(tmp_path):
+    p = tmp_path / "links.toml"
+    p.write_text("[[workers]]\nbandwidth_mbps = 100\n")
+    one_line_error(invoke(*TOY, "--bandwidth-profile", str(p)), "lists 1 worker(s) but the simulation has 2")
+    one_line_error(invoke(*TOY, "--bandwidth-profile", str(tmp_path / "none.toml")), "does not exist")
+
+
+def test_bad_config_file(tmp_path):
+    p = tmp_path / "sim.toml"
+    p.write_text("[clock]\nbandwith_mbps = 10\n")
+    one_line_error(invoke("--config", str(p)), "unknown key 'clock.bandwith_mbps'")
+
+
+def test_print_config_resolves_file_and_flags(tmp_path):
+    p = tmp_path / "sim.toml"
+    p.write_text("workers = 6\n[outer]\nmomentum = 0.5\n")
+    res = invoke("--config", str(p), "--print-config", "--inner-lr", "0.004", "--bandwidth-profile", "half-slow-10x")
+    assert res.exit_code == 0, res.output
+    assert "workers = 6" in res.output and "momentum = 0.5" in res.output and "lr = 0.004" in res.output
+    assert 'profile = "half-slow-10x"' in res.output
+
+
+@pytest.mark.timeout(60)
+def test_run_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    res = invoke(*TOY, "--algorithm", "gasloc", "--topology", "ring", "--json", str(out), "--plot", str(png))
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["config"]["topology"] == "ring" and len(r["evals"]) == 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "final_val_loss=" in res.output
+
+
+@pytest.mark.timeout(120)
+def test_compare_smoke_suite(tmp_path):
+    out, png, md = tmp_path / "s.json", tmp_path / "s.png", tmp_path / "s.md"
+    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "smoke", "--json", str(out), "--plot", str(png),
+                                   "--markdown", str(md)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert list(report["runs"]) == ["a-ring-gasloc", "a-ring-gossip", "a-ring-noloco", "a-random-gasloc",
+                                    "a-random-gossip", "a-random-noloco", "b-gasloc", "b-diloco", "c-diloco",
+                                    "c-gasloc"]
+    assert [c["claim"] for c in report["claims"]] == ["a-ring", "a-random", "b", "c"]
+    # claim c's GASLoC run stops at DiLoCo's final loss or DiLoCo's wall-clock, whichever comes first
+    c_g, c_d = report["runs"]["c-gasloc"], report["runs"]["c-diloco"]
+    assert c_g["final_sim_time_s"] <= c_d["final_sim_time_s"] + 1e-9 or c_g["stopped_by"] == "rounds"
+    assert c_g["config"]["target_val_loss"] == c_d["final_val_loss"]
+    table = md.read_text()
+    assert table == res.output
+    assert table.count("| **PASS** |") + table.count("| **FAIL** |") == 4
+    for name in report["runs"]:
+        assert f"| {name} |" in table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

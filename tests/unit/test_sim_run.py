@@ -1,0 +1,85 @@
+"""Simulated runs end to end at toy size: the DiLoCo equivalence, determinism, the JSON, bytes and H_i."""
+import json
+
+import pytest
+
+from gasloc.config import resolve
+from gasloc.sim.config import SimConfig
+from gasloc.sim.runner import run
+
+TOY = {"workers": 4, "rounds": 4, "eval_every": 2, "model.seq_len": 32, "data.batch_size": 2,
+       "data.val_batches": 1, "inner.inner_steps": 3, "inner.warmup_steps": 2}
+
+
+def cfg(**over) -> SimConfig:
+    return resolve(SimConfig, flags={**TOY, **over}, environ={})
+
+
+def losses(r, key="val_loss_mean"):
+    return [e[key] for e in r["evals"]]
+
+
+@pytest.fixture(scope="module")
+def diloco():
+    return run(cfg(**{"outer.algorithm": "diloco"}))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("form", ["B", "C"])
+def test_gasloc_on_the_complete_graph_is_diloco(form, diloco):
+    d = diloco
+    g = run(cfg(**{"outer.algorithm": "gasloc", "outer.form": form, "topology": "complete"}))
+    assert losses(g) == pytest.approx(losses(d), rel=1e-5, abs=1e-6)
+    assert losses(g, "val_loss_avg_model") == pytest.approx(losses(d, "val_loss_avg_model"), rel=1e-5)
+    assert losses(d)[-1] < losses(d)[0] - 0.2  # and it learned something
+    assert [e["sim_time_s"] for e in g["evals"]] == [e["sim_time_s"] for e in d["evals"]]
+    assert max(e["consensus"] for e in g["evals"]) < 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_form_a_is_not_diloco(diloco):
+    d = diloco
+    a = run(cfg(**{"outer.algorithm": "gasloc", "outer.form": "A", "topology": "complete"}))
+    assert abs(losses(a)[-1] - losses(d)[-1]) > 1e-4 and a["evals"][-1]["consensus"] > 1e-4
+
+
+@pytest.mark.timeout(60)
+def test_same_seed_same_json_and_another_seed_differs():
+    c = cfg(**{"outer.algorithm": "gasloc", "topology": "ring"})
+    one, two = json.dumps(run(c)), json.dumps(run(c))
+    assert one == two
+    other = run(cfg(**{"outer.algorithm": "gasloc", "topology": "ring", "seed": 1}))
+    assert losses(other) != losses(json.loads(one))
+
+
+@pytest.mark.timeout(60)
+def test_json_schema_and_bytes():
+    r = json.loads(json.dumps(run(cfg(**{"outer.algorithm": "noloco"}))))
+    assert {"config", "evals", "final_val_loss", "bytes_sent_per_worker"} <= set(r)
+    for e in r["evals"]:
+        assert {"step", "sim_time_s", "tokens", "val_loss_mean", "val_loss_avg_model", "consensus"} <= set(e)
+    assert r["final_val_loss"] == r["evals"][-1]["val_loss_mean"]
+    assert [e["step"] for e in r["evals"]] == [0, 6, 12]
+    assert r["evals"][-1]["tokens"] == 4 * 12 * 2 * 32
+    assert r["config"]["outer"]["algorithm"] == "noloco"
+    # NoLoCo sends phi and Delta (two numbers per parameter), fp16 on the wire, one partner per round; the clock
+    # charges them at the nominal model size (1e8 parameters by default)
+    assert r["bytes_sent_per_worker"] == pytest.approx([4 * 2 * 1e8 * 2.0] * 4)
+    assert r["bytes_scale"] == pytest.approx(1e8 / r["model_params"])
+
+
+@pytest.mark.timeout(60)
+def test_bytes_at_the_real_model_size():
+    c = cfg(**{"outer.algorithm": "gasloc", "rounds": 2, "eval_every": 2})
+    c.clock = c.clock.model_copy(update={"nominal_params": None})
+    r = run(c)
+    assert r["bytes_scale"] == 1.0
+    assert r["bytes_sent_per_worker"] == [2 * r["model_params"] * 2.0] * 4
+
+
+@pytest.mark.timeout(60)
+def test_time_budget_gives_fast_workers_more_steps_and_local_sends_nothing():
+    r = run(cfg(**{"outer.algorithm": "local", "clock.profile": "half-slow-compute-2x", "inner.inner_steps": 1,
+                   "inner.time_budget_s": 1.2, "rounds": 2}))
+    assert r["inner_steps_per_worker"] == [8, 8, 4, 4]  # 0.3 s/step -> 4 per round; 0.6 s/step -> 2
+    assert r["bytes_sent_per_worker"] == [0, 0, 0, 0]

@@ -1,0 +1,154 @@
+"""Wire headers and their validation (protocol/messages.py, protocol/wire.py). Pure, no I/O."""
+import json
+import struct
+
+import pytest
+
+from gasloc.protocol.codes import Code
+from gasloc.protocol.messages import (PROTOCOL_VERSION, ExchangeReply, ExchangeRequest, StateReply, StateRequest,
+                                      TensorSpec, fingerprint, payload_bytes, specs_of)
+from gasloc.protocol.wire import (LENGTH_PREFIX_BYTES, MAX_HEADER_BYTES, WireError, check_reply, check_request,
+                                  check_state_reply, decode_header, encode_header, parse_length)
+
+SPECS = specs_of([((4, 3), "float32"), ((7,), "float32"), ((), "float32")])
+FP = fingerprint(preset="tiny", seq_len=128, algorithm="gasloc", form="C")
+CAP = payload_bytes(SPECS, "float32")
+
+
+def request(**over):
+    fields = dict(protocol_version=PROTOCOL_VERSION, fingerprint=FP, round=3, wire_dtype="float32",
+                  specs=tuple(SPECS), total_bytes=payload_bytes(SPECS, "float32"))
+    fields.update(over)
+    return ExchangeRequest(**fields)
+
+
+def roundtrip(header, cls):
+    frame = encode_header(header)
+    n = parse_length(frame[:LENGTH_PREFIX_BYTES])
+    assert n == len(frame) - LENGTH_PREFIX_BYTES
+    return decode_header(frame[LENGTH_PREFIX_BYTES:], cls)
+
+
+def test_headers_round_trip():
+    for header, cls in [(request(), ExchangeRequest),
+                        (ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(Code.BUSY), message="busy"),
+                         ExchangeReply),
+                        (StateRequest(protocol_version=PROTOCOL_VERSION, fingerprint=FP), StateRequest),
+                        (StateReply(protocol_version=PROTOCOL_VERSION, code=0, fingerprint=FP, round=9, num_outer=1,
+                                    metadata={"round": 9, "lr": 0.5}, specs=tuple(SPECS), total_bytes=CAP,
+                                    sha256="ab" * 32), StateReply)]:
+        assert roundtrip(header, cls) == header
+
+
+def test_unknown_fields_are_tolerated_known_ones_validated():
+    body = json.loads(request().model_dump_json())
+    body["compression"] = "zstd"                       # a field from a newer peer
+    body["specs"][0]["layout"] = "strided"
+    got = decode_header(json.dumps(body).encode(), ExchangeRequest)
+    assert got == request()
+    body["round"] = "3"                                # a known field with the wrong type: no coercion
+    with pytest.raises(WireError) as e:
+        decode_header(json.dumps(body).encode(), ExchangeRequest)
+    assert e.value.code == Code.BAD_HEADER and "round" in str(e.value)
+
+
+@pytest.mark.parametrize("body,code", [
+    (b"\xff\xfe not json", Code.BAD_HEADER),
+    (b"[1, 2]", Code.BAD_HEADER),
+    (b'{"fingerprint": "x"}', Code.BAD_HEADER),                        # no version
+    (json.dumps({"protocol_version": PROTOCOL_VERSION + 1, "whatever": 1}).encode(), Code.BAD_VERSION),
+    (json.dumps({"protocol_version": PROTOCOL_VERSION, "fingerprint": "x"}).encode(), Code.BAD_HEADER),
+    (json.dumps({**json.loads(request().model_dump_json()), "specs": [{"shape": [-1], "dtype": "float32"}]}
+                ).encode(), Code.BAD_HEADER),
+    (json.dumps({**json.loads(request().model_dump_json()), "total_bytes": -5}).encode(), Code.BAD_HEADER),
+])
+def test_malformed_headers(body, code):
+    with pytest.raises(WireError) as e:
+        decode_header(body, ExchangeRequest)
+    assert e.value.code == code
+
+
+def test_oversized_or_empty_header_length_rejected_before_reading_the_body():
+    with pytest.raises(WireError) as e:
+        parse_length(struct.pack(">I", MAX_HEADER_BYTES + 1))
+    assert e.value.code == Code.BAD_HEADER
+    with pytest.raises(WireError):
+        parse_length(struct.pack(">I", 0))
+    with pytest.raises(WireError):
+        parse_length(b"\x00\x01")
+    assert parse_length(struct.pack(">I", MAX_HEADER_BYTES)) == MAX_HEADER_BYTES
+    huge = ExchangeRequest(protocol_version=1, fingerprint=FP, round=0, wire_dtype="float32",
+                           specs=tuple(TensorSpec(shape=(1,), dtype="float32") for _ in range(60_000)), total_bytes=0)
+    with pytest.raises(ValueError, match="MAX_HEADER_BYTES"):
+        encode_header(huge)
+
+
+def check(req, **kw):
+    args = dict(expected_specs=SPECS, fingerprint=FP, max_bytes=CAP)
+    args.update(kw)
+    return check_request(req, **args)[0]
+
+
+def test_check_request_every_rule():
+    assert check(request()) == Code.OK
+    assert check(request(wire_dtype="bfloat16", total_bytes=payload_bytes(SPECS, "bfloat16"))) == Code.OK
+    assert check(request(fingerprint="other")) == Code.BAD_FINGERPRINT
+    assert check(request(wire_dtype="int8")) == Code.BAD_DTYPE
+    assert check(request(total_bytes=1 << 40)) == Code.TOO_LARGE
+    assert check(request(), max_bytes=CAP - 1) == Code.TOO_LARGE
+    assert check(request(specs=tuple(SPECS[:2]))) == Code.BAD_SHAPE
+    assert check(request(specs=(TensorSpec(shape=(3, 4), dtype="float32"), *SPECS[1:]))) == Code.BAD_SHAPE
+    assert check(request(specs=(TensorSpec(shape=(4, 3), dtype="float64"), *SPECS[1:]))) == Code.BAD_DTYPE
+    assert check(request(total_bytes=CAP - 4)) == Code.BAD_HEADER          # inconsistent with the specs
+    assert check(request(wire_dtype="float16")) == Code.BAD_HEADER         # fp32 size declared for fp16 wire
+
+
+def test_check_order_oversize_wins_over_shape_and_fingerprint_wins_over_all():
+    # a huge declaration is TOO_LARGE even with absurd shapes, so the receiver never sizes anything from it
+    absurd = (TensorSpec(shape=(1 << 20, 1 << 20), dtype="float32"),)
+    assert check(request(specs=absurd, total_bytes=1 << 42)) == Code.TOO_LARGE
+    assert check(request(specs=absurd, total_bytes=1 << 42, fingerprint="x")) == Code.BAD_FINGERPRINT
+
+
+def test_check_reply():
+    ok = ExchangeReply(protocol_version=1, code=0, fingerprint=FP, wire_dtype="float16", specs=tuple(SPECS),
+                       total_bytes=payload_bytes(SPECS, "float16"))
+    assert check_reply(ok, expected_specs=SPECS, fingerprint=FP, max_bytes=CAP)[0] == Code.OK
+    busy = ExchangeReply(protocol_version=1, code=int(Code.BUSY), message="no offer")
+    assert check_reply(busy, expected_specs=SPECS, fingerprint=FP, max_bytes=CAP) == (Code.BUSY, "no offer")
+    future = ExchangeReply(protocol_version=1, code=200)
+    assert check_reply(future, expected_specs=SPECS, fingerprint=FP, max_bytes=CAP)[0] == Code.BAD_HEADER
+    bad = ok.model_copy(update={"specs": tuple(SPECS[::-1])})
+    assert check_reply(bad, expected_specs=SPECS, fingerprint=FP, max_bytes=CAP)[0] == Code.BAD_SHAPE
+
+
+def test_check_state_reply():
+    outer = specs_of([((4, 3), "float32")])
+    base = dict(protocol_version=1, code=0, fingerprint=FP, specs=tuple(SPECS), total_bytes=CAP, sha256="0" * 64)
+    args = dict(expected_specs=SPECS, fingerprint=FP, max_bytes=CAP + 48)
+
+    def chk(outer_specs=None, **over):
+        return check_state_reply(StateReply(**{**base, **over}), outer_specs=outer_specs, **args)[0]
+
+    assert chk() == Code.OK
+    assert chk(outer) == Code.OK                                       # outer state wanted, donor has none
+    assert chk(outer, num_outer=1, specs=tuple(SPECS + outer), total_bytes=CAP + 48) == Code.OK
+    assert chk(None, num_outer=1, specs=tuple(SPECS + outer), total_bytes=CAP + 48) == Code.BAD_SHAPE
+    assert chk(sha256="") == Code.BAD_HEADER
+    assert chk(total_bytes=CAP + 4) == Code.BAD_HEADER
+    assert chk(total_bytes=1 << 40) == Code.TOO_LARGE
+    assert chk(fingerprint="x") == Code.BAD_FINGERPRINT
+    assert chk(specs=(TensorSpec(shape=(4, 3), dtype="int99"), *SPECS[1:])) == Code.BAD_DTYPE
+    assert chk(code=int(Code.BUSY)) == Code.BUSY
+
+
+def test_fingerprint_is_stable_and_order_independent():
+    a = fingerprint(preset="tiny", seq_len=128, vocab_size=256)
+    assert a == fingerprint(vocab_size=256, seq_len=128, preset="tiny")
+    assert a != fingerprint(preset="tiny", seq_len=256, vocab_size=256)
+    assert len(a) == 16 and int(a, 16) >= 0
+
+
+def test_every_code_has_a_voice_and_fits_a_byte():
+    assert all(c.voice and 0 <= c.value < 256 for c in Code)
+    assert Code.parse(250) == Code.BAD_HEADER and Code.parse(1) is Code.BUSY

@@ -16,7 +16,7 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 demo: venv
-	$(BIN)/gasloc swarm --peers 4 --duration 120 --run-dir runs/demo
+	$(BIN)/gasloc swarm --peers 4 --duration 120
 
 test: venv
 	$(BIN)/pytest

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import click
 
+from gasloc.peer.hivemind_sockets import descendants, owned_sockets, remove
+
 WORKER = Path(__file__).with_name("transport_worker.py")
 METHODS = ("gasloc", "tcp", "hivemind_raw_stream", "hivemind_averager")
 LINKS = {"loopback": None, "100mbit": ("100mbit", "256kb"), "1gbit": ("1gbit", "1mb")}
@@ -132,19 +134,22 @@ class WorkerProc:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds used so far by the live processes of a process group (a worker, its p2pd, DHT, averager)."""
-    total = 0
+def group_cpu_s(pgids: list[int]) -> dict[str, float]:
+    """CPU seconds used so far by the live processes of some process groups (workers with their p2pd, DHT and
+    averager children), by kind: "p2pd" or "python"."""
+    out = {"p2pd": 0.0, "python": 0.0}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            head, tail = Path(entry.path, "stat").read_text().rsplit(")", 1)
         except OSError:
             continue      # exited meanwhile
-        if int(fields[2]) == pgid:                 # field 5 of stat: pgrp
-            total += int(fields[11]) + int(fields[12])   # fields 14, 15: utime, stime
-    return total / _TICK
+        fields = tail.split()
+        if int(fields[2]) in pgids:                               # field 5 of stat: pgrp
+            kind = "p2pd" if head.endswith("(p2pd") else "python"
+            out[kind] += (int(fields[11]) + int(fields[12])) / _TICK   # fields 14, 15: utime, stime
+    return out
 
 
 def payload_timeout(params: int, wire: str, link: str) -> float:
@@ -154,7 +159,7 @@ def payload_timeout(params: int, wire: str, link: str) -> float:
 
 
 def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], reps: int, warmup: int,
-             log_dir: str) -> list[dict]:
+             log_dir: str, worker_flags: list[str]) -> list[dict]:
     rows: list[dict] = []
     netns = None
     workers: list[WorkerProc] = []
@@ -166,10 +171,11 @@ def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], 
             netns.up()
             hosts, spaces = netns.hosts, netns.names
         with_dht = ["--with-dht"] if "hivemind_averager" in methods else []
-        a = WorkerProc("a", hosts[0], spaces[0], with_dht, log_dir)
+        a = WorkerProc("a", hosts[0], spaces[0], with_dht + worker_flags, log_dir)
         workers.append(a)
         ready_a = a.recv(120)["ready"]
-        extra_b = ["--peer-host", hosts[0], "--peer-tcp", str(ready_a["tcp_port"]), "--peer-maddr", ready_a["maddr"]]
+        extra_b = ["--peer-host", hosts[0], "--peer-tcp", str(ready_a["tcp_port"]), "--peer-maddr", ready_a["maddr"],
+                   *worker_flags]
         if with_dht:
             extra_b += [*with_dht, "--peer-dht", *ready_a["dht_maddrs"]]
         b = WorkerProc("b", hosts[1], spaces[1], extra_b, log_dir)
@@ -184,17 +190,20 @@ def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], 
                         w.call(timeout, op="prepare", key=key, method=m, params=params, wire=wire)
                 times: dict[str, list[float]] = {m: [] for m in methods}
                 cpus: dict[str, list[float]] = {m: [] for m in methods}
+                cpus_p2pd: dict[str, list[float]] = {m: [] for m in methods}
                 for rep in range(warmup + reps):
                     for m in methods:      # interleaved, so a burst of load from elsewhere hits every method
                         key = f"{params}_{wire}_{m}"
                         for w in (a, b):       # both at once: averagers arm only together (matchmaking)
                             w.send(op="arm", key=key)
                         a.recv(timeout), b.recv(timeout)
-                        cpu0 = sum(group_cpu_s(w.proc.pid) for w in (a, b))
+                        cpu0 = group_cpu_s([a.proc.pid, b.proc.pid])
                         a.send(op="go", key=key)
                         b.send(op="go", key=key)
                         ra, rb = a.recv(timeout), b.recv(timeout)
-                        cpu = sum(group_cpu_s(w.proc.pid) for w in (a, b)) - cpu0
+                        cpu1 = group_cpu_s([a.proc.pid, b.proc.pid])
+                        cpu_p2pd = cpu1["p2pd"] - cpu0["p2pd"]
+                        cpu = cpu_p2pd + cpu1["python"] - cpu0["python"]
                         if ra["check"] != "ok" or rb["check"] != "ok":
                             raise BenchError(f"{m} {params} {wire} {link}: received data differs "
                                              f"(a: {ra['check']}, b: {rb['check']})")
@@ -202,8 +211,9 @@ def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], 
                         if rep >= warmup:
                             times[m].append(seconds)
                             cpus[m].append(cpu)
+                            cpus_p2pd[m].append(cpu_p2pd)
                         print(f"  {link:8} {params / 1e6:5.0f}M {wire:8} {m:20} rep {rep - warmup:+d}: "
-                              f"{seconds:7.3f} s  cpu {cpu:6.2f} s", flush=True)
+                              f"{seconds:7.3f} s  cpu {cpu:6.2f} s (p2pd {cpu_p2pd:.2f})", flush=True)
                 for m in methods:
                     key = f"{params}_{wire}_{m}"
                     for w in (a, b):
@@ -212,11 +222,14 @@ def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], 
                     med = statistics.median(times[m])
                     rows.append({"link": link, "params": params, "wire_dtype": wire, "method": m, "seconds": med,
                                  "seconds_min": min(times[m]), "runs": times[m], "wire_mb_each_way": wire_mb,
-                                 "cpu_s": statistics.median(cpus[m]),
+                                 "cpu_s": statistics.median(cpus[m]), "cpu_p2pd_s": statistics.median(cpus_p2pd[m]),
                                  "mb_s_each_way": wire_mb / med})
     finally:
+        # hivemind leaves DHT/averager socket files behind: note ours while their owners live, remove them after
+        sockets = owned_sockets(set().union(*(descendants(w.proc.pid) for w in workers)))
         for w in workers:
             w.stop()
+        remove(sockets)
         if netns is not None:
             netns.down()
     return rows
@@ -225,7 +238,7 @@ def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], 
 def table(rows: list[dict]) -> str:
     by_key = {(r["link"], r["params"], r["wire_dtype"], r["method"]): r for r in rows}
     lines = [f"{'link':9} {'params':>7} {'wire':9} {'method':20} {'median s':>9} {'min s':>7} {'MB/s each way':>14} "
-             f"{'vs tcp':>7} {'vs averager':>11} {'CPU s':>6}"]
+             f"{'vs tcp':>7} {'vs averager':>11} {'CPU s':>6} {'p2pd':>5}"]
     for r in rows:
         k = (r["link"], r["params"], r["wire_dtype"])
         tcp, avg = by_key.get((*k, "tcp")), by_key.get((*k, "hivemind_averager"))
@@ -234,7 +247,7 @@ def table(rows: list[dict]) -> str:
         vs_avg = f"{avg['seconds'] / r['seconds']:.2f}x" if avg else "-"
         lines.append(f"{r['link']:9} {r['params'] / 1e6:6.0f}M {r['wire_dtype']:9} {r['method']:20} "
                      f"{r['seconds']:9.3f} {r['seconds_min']:7.3f} {r['mb_s_each_way']:14.1f} {vs_tcp:>7} "
-                     f"{vs_avg:>11} {r['cpu_s']:6.2f}")
+                     f"{vs_avg:>11} {r['cpu_s']:6.2f} {r['cpu_p2pd_s']:5.2f}")
     return "\n".join(lines)
 
 
@@ -268,8 +281,10 @@ def parse_size(s: str) -> int:
 @click.option("--reps", default=3, show_default=True, help="timed repetitions per cell (the median is reported)")
 @click.option("--warmup", default=1, show_default=True, help="untimed runs per cell on loopback (page faults)")
 @click.option("--quick", is_flag=True, help="25M only, loopback + 1gbit, 2 reps")
+@click.option("--uvloop", is_flag=True, help="run the workers' event loops on uvloop")
+@click.option("--max-streams", default=32, show_default=True, help="gasloc: parallel streams per exchange")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="write the rows here")
-def main(sizes, links, wires, methods, reps, warmup, quick, json_out) -> None:
+def main(sizes, links, wires, methods, reps, warmup, quick, uvloop, max_streams, json_out) -> None:
     if quick:
         sizes, links, reps = "25M", "loopback,1gbit", 2
     try:
@@ -297,7 +312,8 @@ def main(sizes, links, wires, methods, reps, warmup, quick, json_out) -> None:
         try:
             for link in link_list:
                 rows += run_link(link, size_list, wire_list, method_list, reps,
-                                 warmup if link == "loopback" else 0, log_dir)
+                                 warmup if link == "loopback" else 0, log_dir,
+                                 ["--max-streams", str(max_streams)] + (["--uvloop"] if uvloop else []))
         except BenchError as e:
             raise click.ClickException(str(e)) from None
         except KeyboardInterrupt:

@@ -17,6 +17,7 @@ import asyncio
 import ctypes
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -102,7 +103,7 @@ class Worker:
         for key in list(self.state):
             await self.drop(key)
         if self.dht is not None:
-            self.dht.shutdown()
+            shutdown_and_unlink(self.dht)
         if self.p2p is not None:
             await self.p2p.shutdown()
         if self.tcp_listener is not None:
@@ -124,7 +125,8 @@ class Worker:
         st = {"method": method, "params": params, "wire": wire, "own": b["own"], "want": b["want"], "recv": b["recv"]}
         if method == "gasloc":
             from gasloc.peer.exchange import ExchangeConfig, Exchanger
-            cfg = ExchangeConfig(wire_dtype=wire, exchange_timeout_s=3600, accept_timeout_s=60)
+            cfg = ExchangeConfig(wire_dtype=wire, exchange_timeout_s=3600, accept_timeout_s=60,
+                                 max_streams=self.args.max_streams)
             ex = Exchanger(cfg, self.p2p, specs=[(t.shape, t.dtype) for t in st["own"]], fingerprint="bench",
                            is_member=lambda peer: True, namespace=f"{NS}{key}")
             await ex.start()
@@ -142,7 +144,7 @@ class Worker:
         if st and "ex" in st:
             await st["ex"].stop()
         if st and "averager" in st:
-            st["averager"].shutdown()
+            shutdown_and_unlink(st["averager"])
         return {"ok": True}
 
     async def arm(self, key: str) -> dict:
@@ -226,7 +228,7 @@ class Worker:
 
         async def send():
             for v in views(out):
-                await loop.sock_sendall(sock, v)
+                await loop.sock_sendall(sock, memoryview(v))
 
         async def recv():
             for v in views(st["recv"]):
@@ -301,6 +303,16 @@ class Worker:
             writer.close()
 
 
+def shutdown_and_unlink(proc) -> None:
+    """Shut down a hivemind DHT or averager process and remove the socket files it leaves behind (hivemind does
+    not); only files bound by that process and its children, noted while they live."""
+    from gasloc.peer.hivemind_sockets import descendants, owned_sockets, remove
+    # a forked child also holds the listening sockets it inherited from us: those stay (we still serve on them)
+    sockets = owned_sockets(descendants(proc.pid)) - owned_sockets([os.getpid()])
+    proc.shutdown()
+    remove(sockets)
+
+
 def make_dht(host: str, peer_dht: list[str] | None):
     import hivemind
 
@@ -361,5 +373,11 @@ if __name__ == "__main__":
     p.add_argument("--peer-maddr")
     p.add_argument("--peer-dht", nargs="*")
     p.add_argument("--with-dht", action="store_true")
+    p.add_argument("--uvloop", action="store_true")
+    p.add_argument("--max-streams", type=int, default=32)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    asyncio.run(main(p.parse_args()))
+    parsed = p.parse_args()
+    if parsed.uvloop:
+        import uvloop
+        uvloop.install()
+    asyncio.run(main(parsed))

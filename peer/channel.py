@@ -23,8 +23,8 @@ from pydantic import BaseModel
 
 from gasloc.protocol.wire import LENGTH_PREFIX_BYTES, decode_header, parse_length
 
-STAGING_LIMIT_BYTES = 1 << 20
-_SCRATCH_BYTES = 1 << 18
+STAGING_LIMIT_BYTES = 1 << 18
+_SCRATCH_BYTES = 1 << 16
 WRITE_HIGH_WATER_BYTES = 1 << 20
 WRITE_LOW_WATER_BYTES = 1 << 18
 
@@ -66,6 +66,8 @@ class Channel(asyncio.BufferedProtocol):
         """
         transport = writer.transport
         ch = cls(transport)  # type: ignore[arg-type]
+        # StreamWriter.__del__ closes the transport: the channel keeps the pair alive as long as it lives
+        ch._stream_pair = (reader, writer)
         buffered = getattr(reader, "_buffer", None)
         if buffered:
             ch._staging.extend(buffered)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -62,6 +63,17 @@ def lock_run_dir(run_dir: Path):
     return f
 
 
+def worker_seed(run_dir: Path) -> str:
+    """This peer's data-stream seed: random on first start, kept in the run directory, so two peers never read
+    the same window sequence and a resumed peer continues its own stream where its checkpoint left it."""
+    path = run_dir / "worker_seed"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(secrets.token_hex(8) + "\n")
+        os.replace(tmp, path)
+    return path.read_text().strip()
+
+
 class Peer:
     def __init__(self, cfg: PeerConfig, sink: MetricsSink | None = None):
         self.cfg = cfg
@@ -83,11 +95,16 @@ class Peer:
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
+        """Start, train until a limit or a signal, shut down; returns the exit code. PeerStartupError (one line
+        for the user) propagates after everything started so far was shut down."""
         self._install_signals()
         try:
             self._startup()
             if not self.stopping.is_set():
                 self._main_loop()
+        except PeerStartupError:
+            self.stop_reason = "startup_failed"
+            raise
         finally:
             self._shutdown()
         return EXIT_OK
@@ -117,16 +134,17 @@ class Peer:
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
 
-        # The DHT child is forked first, from the main thread, before the model exists: a small fork, and its
-        # death signal is tied to this thread.
+        try:  # before any networking: a bad data setting fails in a second, not after joining the swarm
+            self.data, tok = build_data(cfg.data, cfg.model.seq_len, worker_seed=worker_seed(self.run_dir))
+        except ValueError as e:
+            raise PeerStartupError(f"data: {e}") from None
+
+        # The DHT child is forked from the main thread (its death signal is tied to this thread), before the model
+        # exists: a small fork.
         self.net = Network(cfg, self)
         self.net.start_dht()
         self.peer_id = self.net.peer_id
 
-        try:
-            self.data, tok = build_data(cfg.data, cfg.model.seq_len, worker_seed=self.peer_id)
-        except ValueError as e:
-            raise PeerStartupError(f"data: {e}") from None
         self.model = build_model(cfg.model, tok.vocab_size, seed=cfg.run.seed).to(self.device)
         maybe_compile(self.model, cfg.model, self.device)
         self.params = list(self.model.parameters())
@@ -228,11 +246,11 @@ class Peer:
         self._set_state("training")
         steps, loss = run_inner_phase(self.model, self.opt, self.data.next_batch, self.inner_steps_total, cfg.inner,
                                       self.device, autocast_for(self.device), should_stop=self.stopping.is_set)
+        if steps == 0:
+            return  # stopped before the first step: nothing to exchange or apply (momentum alone is no round)
         self.inner_steps_total += steps
         compute_s = time.monotonic() - t_start
-        tokens = steps * cfg.data.batch_size * cfg.model.seq_len
-        if steps:
-            self.throughput_tps = tokens / max(compute_s, 1e-9)
+        self.throughput_tps = steps * cfg.data.batch_size * cfg.model.seq_len / max(compute_s, 1e-9)
 
         sent = self.outer.outgoing(self.params)
         if self.stopping.is_set():
@@ -263,8 +281,8 @@ class Peer:
         round_s = time.monotonic() - t_start
         outcome = ex.outcome if ex.ok or ex.attempts else "solo"
         self.sink.emit(
-            "round", peer_id=self.peer_id, round=self.round, inner_steps=steps, total_inner_steps=self.inner_steps_total,
-            loss=loss, val_loss=val_loss, outcome=outcome, partner=ex.partner, group_size=ex.group_size,
+            "round", peer_id=self.peer_id, round=self.round, inner_steps=steps,
+            total_inner_steps=self.inner_steps_total, loss=loss, val_loss=val_loss, outcome=outcome, partner=ex.partner, group_size=ex.group_size,
             bytes_sent=ex.bytes_sent, bytes_received=ex.bytes_received, exchange_s=ex.exchange_s,
             consensus=consensus, compute_s=compute_s, wait_s=ex.wait_s, transfer_s=ex.transfer_s, outer_s=outer_s,
             round_s=round_s, tokens_per_s=self.throughput_tps, peak_mem_mb=peak_memory_mb(self.device),
@@ -293,7 +311,12 @@ class Peer:
         return {"round": self.round, "num_outer": len(outer_state), "peer_id": self.peer_id}, params + outer_state
 
     def _shutdown(self) -> None:
+        # Leave the listing first, so nobody picks us as a partner while we stop; then the exchange (an exchange
+        # in flight ends within its deadline), then the network and the DHT child.
+        if self.net is not None:
+            _step("withdraw", self.net.withdraw)
         # every round ends with outer.apply, so the state here is at a round boundary: safe to checkpoint
+        # (self.averaging is set once the model, optimizer and outer state exist)
         if self.averaging is not None and self.cfg.checkpoint is not None and self.round > self._saved_round:
             _step("checkpoint", self._save_checkpoint)
         if self.averaging is not None:

@@ -47,6 +47,14 @@ class SafeAverager(DecentralizedAverager):
         detach_and_die_with_parent(self._creator_pid)
         super().run()
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            # our p2p is a replica on the DHT's daemon: hivemind never closes it, which leaves its unix socket file
+            # (/tmp/hivemind-p2pclient-*.sock) behind after every clean exit
+            await self._p2p.shutdown()
+
     def set_target_group_size(self, n: int) -> None:
         self._outer_pipe.send(("_set_target_group_size", [n], {}))
 

@@ -1,11 +1,12 @@
 """The pairwise, full-duplex tensor exchange of one gossip round, over a hivemind p2pd raw binary stream.
 
-Protocol on one stream (initiator I, responder R):
+Protocol (initiator I, responder R), on a control stream plus n-1 extra streams ("lanes", see lanes.py):
 
-    I -> R  ExchangeRequest header (fingerprint, wire dtype, specs, total_bytes); nothing else until R answers
-    R -> I  ExchangeReply header: a Code; with OK, R's own specs        (I waits at most accept_timeout_s)
-    I <-> R both payloads at once, raw, straight into preallocated tensors
-    I <-> R one verdict byte each: OK, or why the partner's tensors were discarded (NOT_FINITE)
+    I -> R  ExchangeRequest header (fingerprint, wire dtype, specs, total_bytes, n); nothing else until R answers
+    R -> I  ExchangeReply header: a Code; with OK, R's own specs and a token   (I waits at most accept_timeout_s)
+    I -> R  n-1 lane streams, each presenting the token
+    I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors
+    I <-> R one verdict byte each on the control stream: OK, or why the partner's tensors were discarded
 
 Failure semantics (what the daemon may rely on):
 - An exchange is `ok` only if both payloads arrived whole, ours passed the partner's checks and theirs passed ours
@@ -41,10 +42,12 @@ from hivemind.p2p import P2P, PeerID
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gasloc.peer.channel import STREAM_ERRORS, Channel, read_header
-from gasloc.peer.tensor_io import byte_view, finish_received, in_thread, to_wire, torch_dtype
+from gasloc.peer.lanes import LaneRegistry, move, open_lanes
+from gasloc.peer.tensor_io import finish_received, in_thread, to_wire, torch_dtype
 from gasloc.protocol.codes import Code
-from gasloc.protocol.messages import (PROTOCOL_VERSION, ExchangeReply, ExchangeRequest, TensorSpec, payload_bytes)
-from gasloc.protocol.wire import WireError, check_reply, check_request, encode_header
+from gasloc.protocol.messages import (MAX_STREAMS, PROTOCOL_VERSION, ExchangeReply, ExchangeRequest, TensorSpec,
+                                      payload_bytes)
+from gasloc.protocol.wire import WireError, check_reply, check_request, encode_header, lane_count
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,10 @@ class ExchangeConfig(BaseModel):
                                           "default: our own tensors at float32, the most a compatible peer sends")
     chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="bytes per write before waiting for the "
                              "stream buffer to drain")
+    max_streams: int = Field(32, ge=1, le=MAX_STREAMS, description="parallel p2p streams per exchange (one yamux "
+                             "stream alone stalls on links with deep queues or long round trips)")
+    min_stream_bytes: int = Field(1 << 20, ge=4096, description="payload bytes per extra stream: a payload of B "
+                                  "bytes uses min(max_streams, B // min_stream_bytes) streams, at least one")
 
     @model_validator(mode="after")
     def _accept_within_exchange(self) -> "ExchangeConfig":
@@ -127,8 +134,6 @@ class _Offer:
     wire_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-
-
 def _failure(exc: BaseException, phase: str) -> tuple[Outcome, Code | None, str]:
     if isinstance(exc, TimeoutError):
         return Outcome.timeout, Code.TIMEOUT, f"deadline passed during {phase}"
@@ -146,6 +151,8 @@ class Exchanger:
         self.specs = [s if isinstance(s, TensorSpec) else TensorSpec.of(*s) for s in specs]
         self.fingerprint, self.is_member = fingerprint, is_member
         self.handler_name = f"{namespace}::gasloc.exchange.v{PROTOCOL_VERSION}"
+        self.lane_name = f"{namespace}::gasloc.exchange-lane.v{PROTOCOL_VERSION}"
+        self._lanes = LaneRegistry(hello_timeout_s=cfg.accept_timeout_s)
         self.max_message_bytes = cfg.max_message_bytes or payload_bytes(self.specs, "float32")
         self._local_dtypes = [torch_dtype(s.dtype) for s in self.specs]
         self._offer: _Offer | None = None
@@ -158,6 +165,7 @@ class Exchanger:
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._handle)
+        await self.p2p.add_binary_stream_handler(self.lane_name, self._lanes.handle)
         self._started = True
 
     async def stop(self) -> None:
@@ -166,10 +174,11 @@ class Exchanger:
             task.cancel()
         if self._started:
             self._started = False
-            try:
-                await asyncio.wait_for(self.p2p.remove_binary_stream_handler(self.handler_name), 5.0)
-            except (TimeoutError, *STREAM_ERRORS, KeyError) as e:
-                logger.debug(f"remove_handler name={self.handler_name} error={type(e).__name__}: {e}")
+            for name in (self.handler_name, self.lane_name):
+                try:
+                    await asyncio.wait_for(self.p2p.remove_binary_stream_handler(name), 5.0)
+                except (TimeoutError, *STREAM_ERRORS, KeyError) as e:
+                    logger.debug(f"remove_handler name={name} error={type(e).__name__}: {e}")
 
     # ---- round API ----
 
@@ -229,10 +238,12 @@ class Exchanger:
         partner = str(peer_id)
         t0 = time.monotonic()
 
-        def result(outcome: Outcome, code: Code | None, detail: str, ch: Channel | None = None,
-                   tensors=None, partner_round: int = -1) -> ExchangeResult:
-            r = ExchangeResult(outcome, partner, code, tensors, ch.bytes_written if ch else 0,
-                               ch.bytes_read if ch else 0, time.monotonic() - t0, detail, "initiator",
+        channels: list[Channel] = []
+
+        def result(outcome: Outcome, code: Code | None, detail: str, tensors=None,
+                   partner_round: int = -1) -> ExchangeResult:
+            r = ExchangeResult(outcome, partner, code, tensors, sum(c.bytes_written for c in channels),
+                               sum(c.bytes_read for c in channels), time.monotonic() - t0, detail, "initiator",
                                offer.round, partner_round)
             logger.log(logging.INFO if r.ok else logging.DEBUG, f"exchange {r.log_line()}")
             return r
@@ -243,39 +254,44 @@ class Exchanger:
         if not self.is_member(peer_id):
             return result(Outcome.rejected, Code.NOT_MEMBER, "local: partner is not a live member")
         eng = self._engagement = _Engagement("initiator", partner, asyncio.current_task())
-        ch: Channel | None = None
         phase = "connect"
+        total = payload_bytes(self.specs, self.cfg.wire_dtype)
+        lanes = lane_count(total, self.cfg.max_streams, self.cfg.min_stream_bytes)
         try:
             async with asyncio.timeout(self.cfg.exchange_timeout_s):
                 async with asyncio.timeout(self.cfg.accept_timeout_s):
                     _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, self.handler_name)
-                    ch = Channel.take_over(reader, writer)
+                    channels.append(Channel.take_over(reader, writer))
                     phase = "handshake"
                     request = ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint=self.fingerprint,
                                               round=offer.round, wire_dtype=self.cfg.wire_dtype,
-                                              specs=tuple(self.specs),
-                                              total_bytes=payload_bytes(self.specs, self.cfg.wire_dtype))
-                    await ch.write(encode_header(request))
-                    reply = await read_header(ch, ExchangeReply)
-                code, why = check_reply(reply, expected_specs=self.specs, fingerprint=self.fingerprint,
-                                        max_bytes=self.max_message_bytes)
-                if code == Code.BUSY:
-                    return result(Outcome.busy, code, f"partner: {why}", ch)
-                if code != Code.OK:
-                    return result(Outcome.rejected, code, why, ch)
+                                              specs=tuple(self.specs), total_bytes=total, streams=lanes)
+                    await channels[0].write(encode_header(request))
+                    reply = await read_header(channels[0], ExchangeReply)
+                    code, why = check_reply(reply, expected_specs=self.specs, fingerprint=self.fingerprint,
+                                            max_bytes=self.max_message_bytes)
+                    if code == Code.BUSY:
+                        return result(Outcome.busy, code, f"partner: {why}")
+                    if code != Code.OK:
+                        return result(Outcome.rejected, code, why)
+                    if lanes > 1:
+                        if not reply.token:
+                            return result(Outcome.rejected, Code.BAD_HEADER, "OK reply without a lane token")
+                        phase = "opening lanes"
+                        channels += await open_lanes(self.p2p, peer_id, self.lane_name, reply.token, lanes)
                 phase = "transfer"
-                tensors, code, why = await self._duplex(ch, offer, reply.wire_dtype, eng)
+                tensors, code, why = await self._duplex(channels, offer, reply.wire_dtype, eng)
                 if code != Code.OK:
-                    return result(Outcome.rejected, code, why, ch)
+                    return result(Outcome.rejected, code, why)
                 offer.used = True
-                return result(Outcome.ok, Code.OK, "", ch, tensors, reply.round)
+                return result(Outcome.ok, Code.OK, "", tensors, reply.round)
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
             outcome, code, detail = _failure(e, phase)
-            return result(outcome, code, detail, ch)
+            return result(outcome, code, detail)
         finally:
             self._engagement = None
-            if ch is not None:
-                ch.close()
+            for c in channels:
+                c.close()
 
     # ---- responder ----
 
@@ -329,23 +345,31 @@ class Exchanger:
         eng = self._engagement = _Engagement("responder", partner, asyncio.current_task())
         outcome, code, detail, tensors = Outcome.failed, None, "", None
         phase = "accept"
+        channels = [ch]
+        token, lane_waiters = self._lanes.expect(partner, request.streams)
         try:
             async with asyncio.timeout(self.cfg.exchange_timeout_s):
                 reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(Code.OK), fingerprint=self.fingerprint,
                                       round=offer.round, wire_dtype=self.cfg.wire_dtype, specs=tuple(self.specs),
-                                      total_bytes=payload_bytes(self.specs, self.cfg.wire_dtype))
+                                      total_bytes=payload_bytes(self.specs, self.cfg.wire_dtype), token=token)
                 await ch.write(encode_header(reply))
+                if lane_waiters:
+                    phase = "waiting for lanes"
+                    async with asyncio.timeout(self.cfg.accept_timeout_s):
+                        channels += await asyncio.gather(*lane_waiters)
                 phase = "transfer"
-                tensors, code, detail = await self._duplex(ch, offer, request.wire_dtype, eng)
+                tensors, code, detail = await self._duplex(channels, offer, request.wire_dtype, eng)
                 outcome = Outcome.ok if code == Code.OK else Outcome.rejected
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
             outcome, code, detail = _failure(e, phase)
         finally:
             self._engagement = None
+            self._lanes.release(token)      # closes the lanes; `ch` is closed by _handle
         if outcome is Outcome.ok:
             offer.used = True
-        r = ExchangeResult(outcome, partner, code, tensors if outcome is Outcome.ok else None, ch.bytes_written,
-                           ch.bytes_read, time.monotonic() - t0, detail, "responder", offer.round, request.round)
+        r = ExchangeResult(outcome, partner, code, tensors if outcome is Outcome.ok else None,
+                           sum(c.bytes_written for c in channels), sum(c.bytes_read for c in channels),
+                           time.monotonic() - t0, detail, "responder", offer.round, request.round)
         logger.log(logging.INFO if r.ok else logging.DEBUG, f"exchange {r.log_line()}")
         self._incoming.put_nowait(r)     # collected by wait_incoming() or withdraw()
 
@@ -361,29 +385,17 @@ class Exchanger:
                     offer.wire = await in_thread(lambda: [to_wire(t, self.cfg.wire_dtype) for t in offer.tensors])
             return offer.wire
 
-    async def _duplex(self, ch: Channel, offer: _Offer, their_wire_dtype: str, eng: _Engagement
+    async def _duplex(self, channels: list[Channel], offer: _Offer, their_wire_dtype: str, eng: _Engagement
                       ) -> tuple[list[torch.Tensor] | None, Code, str]:
-        """Send ours and receive theirs at once, then trade verdicts. Returns (tensors, OK, "") only when both
-        sides accepted; otherwise (None, the code, why)."""
+        """Send ours and receive theirs at once over all lanes, then trade verdicts on the control stream.
+        Returns (tensors, OK, "") only when both sides accepted; otherwise (None, the code, why)."""
         ours = await self._wire_tensors(offer)
-        loop = asyncio.get_running_loop()
         # sized from OUR specs (validated equal to theirs): a partner cannot make us allocate more
         bufs = [torch.empty(s.shape, dtype=torch_dtype(their_wire_dtype)) for s in self.specs]
-        finishing: list[asyncio.Future] = []
-
-        async def send() -> None:
-            for t in ours:
-                await ch.write(byte_view(t), self.cfg.chunk_bytes)
-
-        async def receive() -> None:
-            for buf, dtype in zip(bufs, self._local_dtypes):
-                await ch.readinto(byte_view(buf))
-                # cast + finiteness check of tensor i overlaps the receipt of tensor i+1
-                finishing.append(loop.run_in_executor(None, finish_received, buf, dtype))
-
-        await _both(send(), receive())
-        finished = await asyncio.gather(*finishing)
+        await move(channels, ours, bufs, self.cfg.chunk_bytes)
+        finished = await in_thread(lambda: [finish_received(b, d) for b, d in zip(bufs, self._local_dtypes)])
         tensors = [t for t, _ in finished]
+        ch = channels[0]
         bad = [i for i, (_, ok) in enumerate(finished) if not ok]
         verdict = Code.NOT_FINITE if bad else Code.OK
         eng.verdict_sent = True
@@ -394,20 +406,3 @@ class Exchanger:
         if theirs != Code.OK:
             return None, theirs, f"partner rejected our tensors: {theirs.voice}"
         return tensors, Code.OK, ""
-
-
-async def _both(a, b) -> None:
-    """Run two coroutines concurrently; if one fails, cancel the other and raise the first error."""
-    tasks = [asyncio.ensure_future(a), asyncio.ensure_future(b)]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            if t.exception() is not None:
-                raise t.exception()
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-        # retrieve results of cancelled tasks so asyncio does not log "exception was never retrieved"
-        await asyncio.gather(*tasks, return_exceptions=True)

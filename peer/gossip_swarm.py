@@ -80,7 +80,8 @@ class GossipAveraging:
                 self.net.request_listing(max_age_s=LISTING_MAX_AGE_S)
                 ready = self.net.ready_peers()
                 self.backoff.forget_absent(self.net.live)
-                avoid = peers_to_avoid(self.recent, self.net.live, now - t0, sw.partner_deadline_s)
+                others = [p for p in self.net.live if not self.backoff.blocked(p, now)]
+                avoid = peers_to_avoid(self.recent, others, now - t0, sw.partner_deadline_s)
                 partner = pick_partner({p: r.bandwidth_bps for p, r in ready.items()}, self.backoff, now, self.rng,
                                        weighted=sw.bandwidth_weighting, avoid=avoid)
                 if partner is None:

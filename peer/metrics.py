@@ -3,17 +3,21 @@ branches on whether metrics are on.
 
 Events (one JSON object per line, each with "event" and "time" = Unix seconds):
   start  peer_id, fingerprint, algorithm, initial_loss, joined_from (donor peer id | "checkpoint" | null), round
-  round  round, inner_steps, loss, val_loss (every run.eval_every_rounds rounds, else null), outcome
-         (ok | solo | busy | timeout | rejected | failed), partner, group_size, bytes_sent, bytes_received,
-         exchange_s, consensus (||own - partner|| / ||own||, null when nothing was received), compute_s, wait_s,
-         transfer_s, outer_s, round_s, tokens_per_s, peak_mem_mb, attempts, live_peers
-  stop   peer_id, round, reason
+  round  round, inner_steps, loss (mean training loss of the inner phase), val_loss (held-out batches, every
+         run.eval_every_rounds rounds and at round 1, else null), outcome (ok | solo | busy | timeout | rejected |
+         failed: ok, or the last failed attempt's outcome, or solo when nothing was attempted), partner (DiLoCo:
+         the other group members, comma-separated), group_size, bytes_sent, bytes_received (DiLoCo: derived from
+         the all-reduce pattern, not measured), exchange_s (the reported attempt), consensus (||own - theirs|| /
+         ||own|| with theirs = the partner's tensors, or for DiLoCo the group mean; null without an ok exchange),
+         the round's time split compute_s (inner steps) / wait_s (looking for a partner, failed attempts
+         included) / transfer_s (the successful exchange) / outer_s (mix + outer update), round_s, tokens_per_s,
+         peak_mem_mb (CUDA: max allocated; CPU: peak RSS), attempts, live_peers, detail
+  stop   peer_id, round, reason (finished | SIGINT | SIGTERM | startup_failed)
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -21,9 +25,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-
-OUTCOMES: tuple[str, ...] = ("ok", "solo", "busy", "timeout", "rejected", "failed")
-
 
 class MetricsSink(Protocol):
     def emit(self, event: str, **fields: Any) -> None: ...
@@ -68,14 +69,3 @@ def peak_memory_mb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 1e6
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss * (1 if sys.platform == "darwin" else 1024) / 1e6
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """All events of a metrics.jsonl (tests, plots); a torn last line (peer killed mid-write) is skipped."""
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out

@@ -196,15 +196,20 @@ class Network:
         return donor, metadata, tensors[:n_params], outer_state
 
     # ------------------------------------------------------------------ shutdown (main thread)
+    def withdraw(self) -> None:
+        """Stop announcing and remove our record from the listing (a None with a later expiration)."""
+        if self.aio is None or self.membership is None:
+            return
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+        self.aio.run(self.membership.withdraw(), self.membership.request_timeout_s + 1)
+
     def close(self) -> None:
-        """Withdraw the record, stop the loop's services, then the DHT child (which takes its p2pd along)."""
+        """Stop the loop's services, then the DHT child (which takes its p2pd along). Call withdraw() first."""
         from gasloc.peer.daemon import _step
 
         if self.aio is not None:
-            for task in self._tasks:
-                task.cancel()
-            if self.membership is not None:
-                _step("withdraw", lambda: self.aio.run(self.membership.withdraw(), 15))
             if self.state_server is not None:
                 _step("state_server.stop", lambda: self.aio.run(self.state_server.stop(), 10))
             if self.p2p is not None:

@@ -72,13 +72,14 @@ def pick_partner(ready: Mapping[str, float], backoff: Backoff, now: float, rng: 
 
 
 def peers_to_avoid(recent: Iterable[str], live: Iterable[str], elapsed_s: float, deadline_s: float) -> set[str]:
-    """Recent partners to pass over for the first half of the partner search.
+    """Recent partners to pass over for the first half of the partner search (`live`: the peers we could ask now,
+    i.e. listed and not in backoff).
 
     Why: two peers that just exchanged start their next round together and become ready together, so a plain
     "random among the ready" choice pairs them again and again; the swarm splits into fixed pairs that never mix
     (measured: consensus across pairs grew past 1.0 within a minute). Passing over recent partners while someone
-    else may become ready restores the random matching. Not when the recent partners are all the live peers
-    there are (a 2-peer swarm), and not in the second half of the search, so nobody is left without a partner.
+    else may become ready restores the random matching. Not when the recent partners are all the peers we could
+    ask (a 2-peer swarm), and not in the second half of the search, so nobody is left without a partner.
     """
     recent, live = set(recent), set(live)
     if elapsed_s >= deadline_s / 2 or not live - recent:

@@ -1,4 +1,4 @@
-"""Child processes that die with their parent.
+"""Child processes that die with their parent, and stay out of the way of signals meant for it.
 
 hivemind's DHT and DecentralizedAverager are forked `mp.Process(daemon=True)` children. `daemon=True` only helps
 on a clean interpreter exit: after SIGKILL or SIGTERM of the peer, the DHT child, its p2pd and torch_shm_manager
@@ -8,6 +8,11 @@ connection closes.
 
 The death signal fires when the *thread* that forked the child exits, not the process, so these children must be
 created from the main thread (which lives as long as the peer).
+
+The children also move to a process group of their own, so Ctrl+C in a terminal or a supervisor's SIGTERM to the
+peer's group reaches only the peer's main process, which then stops them in order (its DHT record can only be
+withdrawn while the DHT child and its p2pd still run). A supervisor that must freeze or kill a whole peer signals
+its process tree by PID (as tests/e2e/harness.py does), not its process group.
 """
 from __future__ import annotations
 
@@ -23,12 +28,8 @@ from gasloc.procs import set_pdeathsig
 
 
 def detach_and_die_with_parent(parent_pid: int) -> None:
-    """In a forked child, first thing: get SIGKILL when the parent dies, and leave the parent's process group.
-
-    Own process group: a signal meant for the peer's group (Ctrl+C in a terminal, a supervisor's killpg SIGTERM)
-    then reaches only the peer's main process, which shuts the child down in order - withdrawing its DHT record
-    needs this child and its p2pd alive. The child still dies with the peer in every case through the death signal.
-    """
+    """In a forked child, first thing: get SIGKILL when the parent dies, and leave the parent's process group
+    (see the module docstring)."""
     set_pdeathsig(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)

@@ -27,6 +27,7 @@ WIRE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 MAX_TENSORS = 100_000      # more tensors than this in one header is garbage, whatever the model
 MAX_DIMS = 8
+MAX_STREAMS = 64           # parallel streams ("lanes") one exchange may use; each costs the responder a buffer
 
 
 class _Wire(BaseModel):
@@ -80,6 +81,7 @@ class ExchangeRequest(_Wire):
     wire_dtype: str = Field(max_length=16, description="dtype of the tensor bytes on the wire")
     specs: tuple[TensorSpec, ...] = Field(max_length=MAX_TENSORS, description="the tensors that will follow")
     total_bytes: int = Field(ge=0, description="exact byte count of the payload that follows")
+    streams: int = Field(1, ge=1, description="how many parallel streams carry the payloads (this one included)")
 
 
 class ExchangeReply(_Wire):
@@ -93,6 +95,15 @@ class ExchangeReply(_Wire):
     wire_dtype: str = Field("float32", max_length=16)
     specs: tuple[TensorSpec, ...] = Field((), max_length=MAX_TENSORS)
     total_bytes: int = Field(0, ge=0)
+    token: str = Field("", max_length=64, description="with OK and streams > 1: what each extra stream presents")
+
+
+class LaneHello(_Wire):
+    """Initiator -> responder, first frame of each extra stream of an accepted exchange."""
+    kind: Literal["lane"] = "lane"
+    protocol_version: int
+    token: str = Field(max_length=64, description="the token of the responder's OK reply")
+    lane: int = Field(ge=1, lt=MAX_STREAMS, description="index of this stream; the first stream is lane 0")
 
 
 class StateRequest(_Wire):

@@ -18,8 +18,8 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from gasloc.protocol.codes import Code
-from gasloc.protocol.messages import (DTYPE_BYTES, PROTOCOL_VERSION, WIRE_DTYPES, ExchangeReply, ExchangeRequest,
-                                      StateReply, TensorSpec, payload_bytes)
+from gasloc.protocol.messages import (DTYPE_BYTES, MAX_STREAMS, PROTOCOL_VERSION, WIRE_DTYPES, ExchangeReply,
+                                      ExchangeRequest, StateReply, TensorSpec, payload_bytes)
 
 LENGTH_PREFIX_BYTES = 4
 MAX_HEADER_BYTES = 1 << 20   # 1 MiB: ~20k tensor specs; a real header is a few KB
@@ -104,6 +104,8 @@ def _check_tensors(fingerprint_got: str, wire_dtype: str, specs: Sequence[Tensor
 def check_request(req: ExchangeRequest, *, expected_specs: Sequence[TensorSpec], fingerprint: str,
                   max_bytes: int) -> tuple[Code, str]:
     """Whether a responder may accept this request (membership and busyness are the caller's checks)."""
+    if req.streams > MAX_STREAMS:
+        return Code.BAD_HEADER, f"{req.streams} streams requested, at most {MAX_STREAMS}"
     return _check_tensors(req.fingerprint, req.wire_dtype, req.specs, req.total_bytes, expected_specs=expected_specs,
                           fingerprint=fingerprint, max_bytes=max_bytes, wire_dtypes=None)
 
@@ -142,3 +144,35 @@ def check_state_reply(reply: StateReply, *, expected_specs: Sequence[TensorSpec]
     if code == Code.OK and len(reply.sha256) != 64:
         return Code.BAD_HEADER, "state reply without a sha256 checksum"
     return code, why
+
+
+# ---- splitting a payload over parallel streams ("lanes") ----
+# One yamux stream moves at most its flow-control window per round trip (256 KiB until p2pd grows it), so a single
+# stream cannot fill a link whose round trip is long or whose queues are deep; a few parallel streams can. Both
+# sides derive the same split from the byte count and the lane count, so nothing about it travels on the wire.
+
+Segment = tuple[int, int, int]     # (tensor index, first byte, end byte) within that tensor's wire bytes
+
+
+def lane_count(total_bytes: int, max_streams: int, min_stream_bytes: int) -> int:
+    """Lanes for a payload: one per `min_stream_bytes`, between 1 and `max_streams`."""
+    return max(1, min(max_streams, MAX_STREAMS, total_bytes // max(1, min_stream_bytes)))
+
+
+def lane_segments(tensor_bytes: Sequence[int], lanes: int) -> list[list[Segment]]:
+    """Split the concatenated tensors into `lanes` contiguous, near-equal byte ranges, as per-tensor segments.
+
+    Every byte belongs to exactly one lane, in order; a lane may span several tensors or part of one.
+    """
+    total = sum(tensor_bytes)
+    bounds = [total * k // lanes for k in range(lanes + 1)]
+    starts = [sum(tensor_bytes[:i]) for i in range(len(tensor_bytes))]
+    out: list[list[Segment]] = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        segs = []
+        for i, (start, size) in enumerate(zip(starts, tensor_bytes)):
+            a, b = max(lo, start), min(hi, start + size)
+            if a < b:
+                segs.append((i, a - start, b - start))
+        out.append(segs)
+    return out

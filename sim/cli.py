@@ -133,7 +133,8 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
         from gasloc.sim.plot import plot_run
         plot_run(result, plot_out)
     e = result["evals"][-1]
-    click.echo(f"{cfg.outer.algorithm} topology={cfg.topology} workers={cfg.workers} final_val_loss="
+    topology = "all-reduce" if cfg.barrier else cfg.topology
+    click.echo(f"{cfg.outer.algorithm} topology={topology} workers={cfg.workers} final_val_loss="
                f"{e['val_loss_mean']:.4f} avg_model={e['val_loss_avg_model']:.4f} consensus={e['consensus']:.4g} "
                f"sim_time_s={e['sim_time_s']:.1f} tokens={e['tokens']} stopped_by={result['stopped_by']}")
 

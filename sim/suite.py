@@ -46,14 +46,25 @@ def _final(r: Result) -> float:
     return r["final_val_loss"]
 
 
+def _same_tokens(*runs: Result) -> bool:
+    """Equal tokens up to the last round's overshoot: an asynchronous swarm ends mid-round for some workers."""
+    toks = [r["tokens"] for r in runs]
+    return max(toks) <= 1.01 * min(toks)
+
+
+def _tokens(*runs: Result) -> str:
+    toks = sorted({r["tokens"] for r in runs})
+    return f"{toks[0]:,} tokens" if len(toks) == 1 else f"{' / '.join(f'{t:,}' for t in toks)} tokens"
+
+
 def claim_below(topology: str) -> Callable[[Results], tuple[bool, str]]:
     def check(res: Results) -> tuple[bool, str]:
         g, gos, nol = (res[f"a-{topology}-{a}"] for a in ("gasloc", "gossip", "noloco"))
-        equal = g["tokens"] == gos["tokens"] == nol["tokens"]
+        equal = _same_tokens(g, gos, nol)
         ok = equal and _final(g) < _final(gos) and _final(g) < _final(nol)
         return ok, (f"GASLoC {_final(g):.4f} vs gossip-AdamW {_final(gos):.4f} ({_final(g) - _final(gos):+.4f}) and "
-                    f"NoLoCo {_final(nol):.4f} ({_final(g) - _final(nol):+.4f}) at {g['tokens']:,} tokens"
-                    + ("" if equal else " (token counts differ!)"))
+                    f"NoLoCo {_final(nol):.4f} ({_final(g) - _final(nol):+.4f}) at {_tokens(g, gos, nol)}"
+                    + ("" if equal else " (token counts differ by more than 1%!)"))
     return check
 
 
@@ -61,9 +72,9 @@ def claim_within(tol: float) -> Callable[[Results], tuple[bool, str]]:
     def check(res: Results) -> tuple[bool, str]:
         g, d = res["b-gasloc"], res["b-diloco"]
         rel = _final(g) / _final(d) - 1
-        ok = g["tokens"] == d["tokens"] and rel <= tol
+        ok = _same_tokens(g, d) and rel <= tol
         return ok, (f"GASLoC {_final(g):.4f} vs DiLoCo {_final(d):.4f}: {100 * rel:+.2f}% (limit +{100 * tol:.0f}%) "
-                    f"at {g['tokens']:,} tokens")
+                    f"at {_tokens(g, d)}")
     return check
 
 

@@ -1,17 +1,18 @@
 """Shared pieces of the live-swarm e2e tests: a fast tiny-model peer config, starting peers, reading their rounds,
-and a DHT client in the test process that reads the run's peer listing (what every peer sees)."""
+and an observer process that reads the run's peer listing from the DHT (what every peer sees)."""
 from __future__ import annotations
 
-import contextlib
+import json
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-from e2e.harness import LOOPBACK, Harness
+from e2e.harness import LOOPBACK, Harness, child_env
 
 RUN_ID = "e2e"
 
-# Short rounds (5 inner steps of a tiny model) so a few minutes on 2 shared cores cover dozens of rounds.
+# Short rounds (10 inner steps of a tiny model, ~1 s) so a few minutes on 2 shared cores cover dozens of rounds.
 PEER_TOML = """
 [model]
 preset = "tiny"
@@ -20,7 +21,7 @@ seq_len = 64
 batch_size = 4
 val_batches = 2
 [inner]
-inner_steps = 10
+inner_steps = {inner_steps}
 warmup_steps = 10
 lr = 0.002
 [exchange]
@@ -30,7 +31,7 @@ accept_timeout_s = 1.0
 run_id = "{run_id}"
 announce_ttl_s = {ttl_s}
 partner_deadline_s = {deadline_s}
-min_backoff_s = 1.0
+min_backoff_s = 3.0
 max_backoff_s = 8.0
 [diloco]
 matchmaking_time_s = 2.0
@@ -42,9 +43,9 @@ eval_every_rounds = 2
 """
 
 
-def write_config(h: Harness, *, ttl_s: float = 6.0, deadline_s: float = 1.2) -> Path:
+def write_config(h: Harness, *, ttl_s: float = 6.0, deadline_s: float = 1.2, inner_steps: int = 10) -> Path:
     path = h.run_dir / "peer.toml"
-    path.write_text(PEER_TOML.format(run_id=RUN_ID, ttl_s=ttl_s, deadline_s=deadline_s))
+    path.write_text(PEER_TOML.format(run_id=RUN_ID, ttl_s=ttl_s, deadline_s=deadline_s, inner_steps=inner_steps))
     return path
 
 
@@ -76,15 +77,29 @@ def steps_per_s(rs: list[dict], t0: float, t1: float) -> float:
     return sum(r["inner_steps"] for r in rs if t0 <= r["time"] <= t1) / (t1 - t0)
 
 
-@contextlib.contextmanager
-def listing(boot: list[str]):
-    """A DHT client in the test process; yields a function returning {peer_id: PeerRecord} of the run's live
-    records, read from the network (latest=True) as a peer would."""
-    from gasloc.peer.membership import parse_listing, peers_key
-    from gasloc.peer.safeproc import SafeDHT
+def compute_share(rs: list[dict], t0: float, t1: float) -> float:
+    """The share of [t0, t1] a peer spent in inner steps (rounds that ended in the window): its inner-step
+    throughput relative to what its CPU allowed at the time. Unlike raw steps/s it does not move with the load
+    that other processes put on the shared test machine, only with time lost waiting or exchanging."""
+    return sum(r["compute_s"] for r in rs if t0 <= r["time"] <= t1) / (t1 - t0)
 
-    dht = SafeDHT(initial_peers=boot, start=True, client_mode=True, host_maddrs=[LOOPBACK])
-    try:
-        yield lambda: parse_listing(dht.get(peers_key(RUN_ID), latest=True), time.time())
-    finally:
-        dht.shutdown()
+
+class Listing:
+    """The run's live peer listing as a separate observer process sees it (tests/e2e/peer_lister.py), started
+    under the harness so it is stopped and leak-checked like every other child."""
+
+    def __init__(self, h: Harness, boot: list[str]):
+        self.h, self.path = h, h.run_dir / "listing.json"
+        argv = [sys.executable, str(Path(__file__).with_name("peer_lister.py")), "--initial-peers", *boot,
+                "--run-id", RUN_ID, "--out", str(self.path)]
+        self.child = h.sup.start("lister", argv, h.run_dir / "lister.log", env=child_env())
+        h.wait_until(self.path.exists, 60, "the listing observer's first listing", alive=("lister",))
+
+    def __call__(self, since: float | None = None) -> dict[str, dict] | None:
+        """{peer_id: record} of the latest listing (at most a second old); with `since`, None until a listing
+        taken after that time exists."""
+        snap = json.loads(self.path.read_text())
+        if since is not None and snap["time"] <= since:
+            return None
+        assert time.time() - snap["time"] < 1.0, f"listing observer stalled: {self.h.log('lister')[-2000:]}"
+        return snap["peers"]

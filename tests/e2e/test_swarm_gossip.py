@@ -2,12 +2,16 @@
 peer, admits a joiner with the swarm's state, survives a kill -9 in mid-exchange and withdraws on SIGTERM."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 
-from e2e.swarm_helpers import (listing, ok_partners, rounds, start_event, start_peers, steps_per_s, val_losses,
-                               write_config)
+from gasloc.procs import read_stat
+
+from e2e.swarm_helpers import (Listing, compute_share, ok_partners, rounds, start_event, start_peers, steps_per_s,
+                               val_losses, write_config)
 
 EXCHANGE_TIMEOUT_S = 2.5  # [exchange] exchange_timeout_s in swarm_helpers.PEER_TOML
 FRESH_LOSS = 5.0          # a fresh tiny model on bytes: ~5.2 nats (ln 256 = 5.55)
@@ -26,7 +30,9 @@ def _all_have(h, names, ok_rounds, partners, since=0.0):
 @pytest.mark.timeout(420)
 def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, bootstrap):
     h = harness
-    cfg = write_config(h)
+    # rounds of ~2 s against a 1.2 s partner deadline: with 3 peers left, one is always the odd one out and may
+    # wait the whole deadline; real rounds (hundreds of steps) make that share far smaller still
+    cfg = write_config(h, inner_steps=20)
     names = ["p0", "p1", "p2", "p3"]
     ids = start_peers(h, names, bootstrap, cfg)
 
@@ -54,8 +60,9 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
     t_resume = time.time()
     for n in survivors:
         rs = rounds(h, n)
-        before, during = steps_per_s(rs, t_pause - 20, t_pause), steps_per_s(rs, t_pause, t_resume)
-        assert during >= 0.8 * before, (n, before, during)
+        before, during = compute_share(rs, t_pause - 20, t_pause), compute_share(rs, t_pause, t_resume)
+        raw = steps_per_s(rs, t_pause - 20, t_pause), steps_per_s(rs, t_pause, t_resume)
+        assert during >= 0.8 * before, (n, before, during, "steps/s before, during:", raw)
         late = [r for r in rs if r["time"] >= t_pause]
         assert all(r["exchange_s"] <= EXCHANGE_TIMEOUT_S + 0.5 for r in late), late
     h.wait_until(_all_have(h, ["p3"], ok_rounds=1, partners=1, since=t_resume), 90,
@@ -91,36 +98,57 @@ def test_kill_9_mid_exchange_is_survived_and_sigterm_withdraws_cleanly(harness, 
     ids = start_peers(h, names, bootstrap, cfg)
     h.wait_until(_all_have(h, names, ok_rounds=3, partners=1), 120, "3 ok exchanges each", alive=tuple(names))
 
-    with listing(bootstrap) as live:
-        assert set(ids.values()) <= set(live())
+    live = Listing(h, bootstrap)
+    assert set(ids.values()) <= set(live())
 
-        # 1. kill -9 p2 while it offers its tensors (state "exchanging" in its record): its DHT child and p2pd
-        #    must go too (death signal), the others must go on training without waiting past their deadlines
-        h.wait_until(lambda: (r := live().get(ids["p2"])) is not None and r.state == "exchanging", 60,
-                     "p2 in state exchanging", interval_s=0.02, alive=tuple(names))
-        h.kill("p2")
-        t_kill = time.time()
-        assert h.wait_tree_gone("p2", 10), h.leftovers("p2")  # no orphan DHT/p2pd after kill -9 of the main
-        gone_after = h.wait_until(lambda: ids["p2"] not in live() and time.time() - t_kill, ttl_s + 5,
-                                  "the dead peer to leave the listing")
-        assert gone_after <= ttl_s + 2.0, gone_after
-        survivors = ["p0", "p1"]
-        h.wait_until(lambda: all(sum(r["time"] > t_kill for r in rounds(h, n)) >= 5 for n in survivors), 90,
-                     "5 rounds of each survivor after the kill", alive=tuple(survivors))
-        for n in survivors:
-            late = [r for r in rounds(h, n) if r["time"] > t_kill]
-            assert all(r["exchange_s"] <= EXCHANGE_TIMEOUT_S + 0.5 for r in late), late
-            assert any(r["outcome"] == "ok" for r in late), late  # still pairing with the other survivor
+    # 1. kill -9 p2 while it offers its tensors (state "exchanging" in its record): its DHT child and p2pd
+    #    must go too (death signal), the others must go on training without waiting past their deadlines
+    h.wait_until(lambda: live().get(ids["p2"], {}).get("state") == "exchanging", 60,
+                 "p2 in state exchanging", interval_s=0.02, alive=tuple(names))
+    h.kill("p2")
+    t_kill = time.time()
+    assert h.wait_tree_gone("p2", 10), h.leftovers("p2")  # no orphan DHT/p2pd after kill -9 of the main
+    h.wait_until(lambda: ids["p2"] not in live(), ttl_s + 5, "the dead peer to leave the listing")
+    assert time.time() - t_kill <= ttl_s + 2.0  # its last announcement expired: liveness = TTL
+    survivors = ["p0", "p1"]
+    h.wait_until(lambda: all(sum(r["time"] > t_kill for r in rounds(h, n)) >= 5 for n in survivors), 90,
+                 "5 rounds of each survivor after the kill", alive=tuple(survivors))
+    for n in survivors:
+        late = [r for r in rounds(h, n) if r["time"] > t_kill]
+        assert all(r["exchange_s"] <= EXCHANGE_TIMEOUT_S + 0.5 for r in late), late
+        assert any(r["outcome"] == "ok" for r in late), late  # still pairing with the other survivor
 
-        # 2. SIGTERM: a clean exit 0 within seconds, the record withdrawn at once (not left to expire), nothing left
-        h.terminate("p1")
-        assert h.wait_exit("p1", 30) == 0, h.log("p1")
-        t_exit = time.time()
-        assert ids["p1"] not in live()
-        assert time.time() - t_exit < ttl_s / 2  # far sooner than its last record could have expired
-        assert h.wait_tree_gone("p1", 10), h.leftovers("p1")
-        left = h.leftovers("p1")
-        assert not left.sockets and not left.shm, left
-        stop = [r for r in h.metrics("p1") if r["event"] == "stop"]
-        assert stop and stop[0]["reason"] == "SIGTERM", stop
-        assert "withdrawn" in h.log("p1")
+    # 2. SIGTERM: a clean exit 0 within seconds, the record withdrawn at once (not left to expire), nothing left
+    h.terminate("p1")
+    assert h.wait_exit("p1", 30) == 0, h.log("p1")
+    t_exit = time.time()
+    after = h.wait_until(lambda: live(since=t_exit), 5, "a listing taken after p1 exited")
+    assert ids["p1"] not in after and ids["p0"] in after, after  # withdrawn, not left to expire in up to ttl_s
+    assert h.wait_tree_gone("p1", 10), h.leftovers("p1")
+    left = h.leftovers("p1")
+    assert not left.sockets and not left.shm, left
+    stop = [r for r in h.metrics("p1") if r["event"] == "stop"]
+    assert stop and stop[0]["reason"] == "SIGTERM", stop
+    assert "withdrawn" in h.log("p1")
+
+    # 3. restarted on its run directory, p1 resumes from the checkpoint it wrote at shutdown (resume beats a
+    #    download from the live p0) and pairs with p0 again
+    last_round = rounds(h, "p1")[-1]["round"]
+    start_peers(h, ["p1"], bootstrap, cfg)
+    resumed = [r for r in h.metrics("p1") if r["event"] == "start"][-1]
+    assert resumed["joined_from"] == "checkpoint" and resumed["round"] == last_round, resumed
+    t_restart = time.time()
+    h.wait_until(_all_have(h, ["p1"], ok_rounds=1, partners=1, since=t_restart), 60, "the resumed p1's exchange",
+                 alive=("p0", "p1"))
+
+    # 4. a shutdown stuck on an unresponsive DHT (its process frozen) is cut short by a second Ctrl+C: exit 130
+    #    at once, and the death signal still takes the DHT child and its p2pd along (no orphan)
+    main = read_stat(h.child("p0").pid)
+    dht_pid = next(pid for pid, comm in h.tree("p0")  # the forked child with the main's name (not p2pd or shm)
+                   if comm == main.comm and (st := read_stat(pid)) is not None and st.ppid == main.pid)
+    os.kill(dht_pid, signal.SIGSTOP)
+    h.interrupt("p0")
+    h.wait_until(lambda: "stopping signal=SIGINT" in h.log("p0"), 10, "p0 to start its shutdown")
+    h.interrupt("p0")
+    assert h.wait_exit("p0", 10) == 130, h.log("p0")
+    assert h.wait_tree_gone("p0", 10), h.leftovers("p0")

@@ -20,7 +20,7 @@ from gasloc.peer.state_transfer import _payload_digest, handler_name as state_ha
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (PROTOCOL_VERSION, ExchangeReply, ExchangeRequest, StateReply, StateRequest,
                                       TensorSpec)
-from gasloc.protocol.wire import encode_header
+from gasloc.protocol.wire import encode_header, lane_segments
 
 TRICKLE = 1 << 16
 
@@ -54,15 +54,24 @@ async def main(mode: str, ns: str, fp: str, *args: str) -> None:
         spec = (TensorSpec(shape=(numel,), dtype="float32"),)
 
     if mode == "respond-half":
+        lanes_held = []
+
+        async def lane_handler(info, reader, writer):     # accept every lane, never serve it
+            lanes_held.append(Channel.take_over(reader, writer))
+
         async def handler(info, reader, writer):
             ch = Channel.take_over(reader, writer)
-            await read_header(ch, ExchangeRequest)
+            request = await read_header(ch, ExchangeRequest)
             await ch.write(encode_header(ExchangeReply(protocol_version=PROTOCOL_VERSION, code=0, fingerprint=fp,
-                                                       wire_dtype="float32", specs=spec, total_bytes=len(payload))))
-            await ch.write(payload[:len(payload) // 2])
+                                                       wire_dtype="float32", specs=spec, total_bytes=len(payload),
+                                                       token="t" * 32)))
+            _, start, end = lane_segments([len(payload)], request.streams)[0][0]   # what lane 0 carries
+            half = (start + end) // 2
+            await ch.write(payload[start:half])
             say("HALF")
-            await trickle(ch, memoryview(payload)[len(payload) // 2:])
+            await trickle(ch, memoryview(payload)[half:end])
         await p2p.add_binary_stream_handler(exchange_name(ns), handler)
+        await p2p.add_binary_stream_handler(f"{ns}::gasloc.exchange-lane.v{PROTOCOL_VERSION}", lane_handler)
         await asyncio.Event().wait()
 
     if mode == "initiate-half":

@@ -102,3 +102,13 @@ def test_compatible_peers_share_fingerprint_and_protocol_and_exclude_self():
     recs = {pid: PeerRecord(**_record(peer_id=pid, **over)) for pid, over in [
         ("me", {}), ("same", {}), ("other-model", {"fingerprint": "xyz"}), ("newer", {"protocol": 2})]}
     assert set(compatible(recs, peer_id="me", fingerprint="abc", protocol=1)) == {"same"}
+
+
+def test_a_failed_listing_keeps_the_last_one_minus_what_must_have_expired(two_peers):
+    from gasloc.peer.membership import Membership
+    (sig_a, _), _ = two_peers
+    m = Membership(None, sig_a, run_id=RUN, peer_id="me", fingerprint="abc", protocol=1, ttl_s=6.0)
+    now = time.time()
+    last = {"fresh": PeerRecord(**_record(peer_id="fresh", time=now - 1.0)),
+            "stale": PeerRecord(**_record(peer_id="stale", time=now - 7.0))}
+    assert set(m.prune(last)) == {"fresh"}

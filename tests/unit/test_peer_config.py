@@ -91,3 +91,14 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert lines == ["Error: unknown environment variable GASLOC_SWARM__BOGUS: it names no field of this "
                      "command's config (see --print-config for the fields; sections are joined by '__')"]
+
+
+def test_one_peer_per_run_directory(tmp_path):
+    from gasloc.peer.daemon import PeerStartupError, lock_run_dir, worker_seed
+    first = lock_run_dir(tmp_path / "peer")
+    with pytest.raises(PeerStartupError, match="in use by another peer"):
+        lock_run_dir(tmp_path / "peer")
+    first.close()  # released (as by the kernel when a killed peer's process ends)
+    lock_run_dir(tmp_path / "peer").close()
+    # the data-stream seed is random per directory and stable across restarts
+    assert worker_seed(tmp_path / "peer") == worker_seed(tmp_path / "peer") != worker_seed(tmp_path)

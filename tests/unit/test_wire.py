@@ -8,7 +8,8 @@ from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (PROTOCOL_VERSION, ExchangeReply, ExchangeRequest, StateReply, StateRequest,
                                       TensorSpec, fingerprint, payload_bytes, specs_of)
 from gasloc.protocol.wire import (LENGTH_PREFIX_BYTES, MAX_HEADER_BYTES, WireError, check_reply, check_request,
-                                  check_state_reply, decode_header, encode_header, parse_length)
+                                  check_state_reply, decode_header, encode_header, lane_count, lane_segments,
+                                  parse_length)
 
 SPECS = specs_of([((4, 3), "float32"), ((7,), "float32"), ((), "float32")])
 FP = fingerprint(preset="tiny", seq_len=128, algorithm="gasloc", form="C")
@@ -152,3 +153,27 @@ def test_fingerprint_is_stable_and_order_independent():
 def test_every_code_has_a_voice_and_fits_a_byte():
     assert all(c.voice and 0 <= c.value < 256 for c in Code)
     assert Code.parse(250) == Code.BAD_HEADER and Code.parse(1) is Code.BUSY
+
+
+def test_too_many_streams_is_a_bad_header():
+    assert check(request(streams=64)) == Code.OK
+    assert check(request(streams=65)) == Code.BAD_HEADER
+    with pytest.raises(WireError):
+        decode_header(request().model_dump_json().replace('"streams":1', '"streams":0').encode(), ExchangeRequest)
+
+
+def test_lane_count():
+    assert lane_count(0, 32, 1 << 20) == 1
+    assert lane_count(10 << 20, 32, 1 << 20) == 10
+    assert lane_count(400_000_000, 32, 1 << 20) == 32
+    assert lane_count(400_000_000, 500, 1) == 64            # never more than the protocol allows
+
+
+@pytest.mark.parametrize("sizes,lanes", [([12, 0, 7, 30], 4), ([5], 3), ([100, 100], 1), ([3, 3], 7)])
+def test_lane_segments_cover_every_byte_once_in_order(sizes, lanes):
+    segs = lane_segments(sizes, lanes)
+    assert len(segs) == lanes
+    flat = [(i, b) for lane in segs for i, lo, hi in lane for b in range(lo, hi)]
+    assert flat == [(i, b) for i, n in enumerate(sizes) for b in range(n)]
+    shares = [sum(hi - lo for _, lo, hi in lane) for lane in segs]
+    assert max(shares) - min(shares) <= 1                   # near-equal shares

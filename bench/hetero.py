@@ -1,0 +1,283 @@
+"""Heterogeneous-bandwidth benchmark (issue #5 item 4): GASLoC against DiLoCo on a swarm of real `gasloc peer`
+processes, half of them on 10x slower links; time for the swarm's mean validation loss to reach a target that
+every run reaches.
+
+Setup (bench/netlab.py): one network namespace per process on a star (hub bridge), tbf on both veth ends. One
+`gasloc bootstrap` on a fast link, N peers (default 6): even-numbered ones on fast links (default 30 Mbit up and
+down), odd-numbered ones on slow links (default 3 Mbit). Tiny model (0.9M parameters = 3.5 MB of fp32 per message),
+small batches and H = 20 inner steps per round, so that one round's compute (about two seconds) is small next to a
+transfer over a slow link (3.5 MB at 3 Mbit = 9.3 s): communication matters.
+
+Runs, one after another, each with a fresh bootstrap and fresh peers for the same wall-clock duration:
+  gasloc-bw   outer.algorithm=gasloc, swarm.bandwidth_weighting=true (partners drawn by measured bandwidth)
+  gasloc      outer.algorithm=gasloc, uniform partner choice
+  diloco      outer.algorithm=diloco: the exact mean over all live peers (hivemind DecentralizedAverager)
+  gossip      (optional) outer.algorithm=gossip
+
+The swarm's mean validation loss at time t is the mean over peers of each peer's latest val_loss at or before t
+(the start event's initial_loss counts as its first). The clock of a run starts when every peer has printed READY.
+Target = the highest final mean loss over the runs + --target-margin, so every run reaches it.
+
+    sudo python bench/hetero.py --json hetero.json           # 3 runs x 180 s, about 12 min
+    sudo python bench/hetero.py --quick                      # 3 runs x 45 s, a smoke run
+    sudo python bench/hetero.py --cleanup                    # remove leftovers of a crashed earlier run
+
+Everything it creates (namespaces, links, processes, their sockets) is removed afterwards, also on Ctrl+C,
+SIGTERM or an exception. Names start with `ghx<pid>x`; --cleanup removes those whose creator PID is gone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netlab  # noqa: E402  (bench/ is a directory of scripts, not a package)
+from hetero_report import RunResult, analyse_run, format_report, pick_target  # noqa: E402
+
+TAG = "ghx"
+RUNS = {  # name -> (outer.algorithm, swarm.bandwidth_weighting; None: not applicable)
+    "gasloc-bw": ("gasloc", True),
+    "gasloc": ("gasloc", False),
+    "diloco": ("diloco", None),
+    "gossip": ("gossip", False),
+}
+DEFAULT_RUNS = ("gasloc-bw", "gasloc", "diloco")
+
+# Hyperparameters shared by every run (the [outer] defaults of each algorithm apply). Timeouts are raised so that
+# a slow link finishes its transfer: 3.5 MB at 3 Mbit takes 9.3 s for a pair, and an all-reduce part shares the
+# slow uplink with four others (hivemind's default 3 s chunk timeout would drop slow peers from every group).
+PEER_TOML = """\
+[model]
+preset = "tiny"
+seq_len = 64
+
+[data]
+batch_size = 4
+val_batches = 4
+
+[inner]
+inner_steps = {inner_steps}
+warmup_steps = 20
+lr = 0.002
+
+[exchange]
+exchange_timeout_s = 60.0
+
+[swarm]
+partner_deadline_s = 10.0
+announce_ttl_s = 15.0
+
+[diloco]
+matchmaking_time_s = 5.0
+request_timeout_s = 3.0
+averaging_timeout_s = 120.0
+next_chunk_timeout_s = 30.0
+
+[run]
+eval_every_rounds = 1
+torch_threads = 1
+device = "cpu"
+"""
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not run; one line for the user."""
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM: unwinds through every finally (BaseException, so no `except Exception` swallows it)."""
+
+
+def _on_signal(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+@dataclass(frozen=True)
+class Settings:
+    peers: int
+    duration_s: float
+    fast_mbit: float
+    slow_mbit: float
+    inner_steps: int
+    boot_mbit: float = 100.0
+    ready_timeout_s: float = 240.0
+    stop_grace_s: float = 30.0
+
+    def peer_node(self, i: int) -> netlab.Node:
+        return netlab.Node(f"p{i}", self.fast_mbit if i % 2 == 0 else self.slow_mbit)
+
+
+def _child_env(shard: tuple[int, int] | None = None, bandwidth_weighting: bool | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GASLOC_")}
+    # one thread per process: 7 processes (plus their DHT children) share the machine's cores
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GASLOC_LOG_LEVEL="INFO")
+    if shard is not None:  # each peer trains on its own shard of the corpus
+        env["GASLOC_DATA__SHARD_INDEX"], env["GASLOC_DATA__NUM_SHARDS"] = map(str, shard)
+    if bandwidth_weighting is not None:
+        env["GASLOC_SWARM__BANDWIDTH_WEIGHTING"] = "true" if bandwidth_weighting else "false"
+    return env
+
+
+def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_config: Path) -> RunResult:
+    """One swarm: bootstrap + peers for s.duration_s after all are READY; returns its metrics, analysed."""
+    from gasloc.procs import gasloc_argv
+
+    algorithm, bw = RUNS[name]
+    run_dir = out / name
+    run_id = f"hetero-{name}-{os.getpid()}"
+    names = [f"{name}/boot"] + [f"{name}/p{i}" for i in range(s.peers)]
+    try:
+        boot = sup.start(names[0], star.exec_argv("boot", gasloc_argv(
+            "bootstrap", "--run-id", run_id, "--host-maddrs", f"/ip4/{star.ip('boot')}/tcp/0",
+            "--identity-path", str(run_dir / "boot.key"), "--log-interval-s", "10")),
+            run_dir / "boot.log", env=_child_env())
+        boot_maddr = sup.wait_ready(boot, s.ready_timeout_s)["maddrs"][0]
+        peers = []
+        for i in range(s.peers):
+            node = f"p{i}"
+            argv = gasloc_argv("peer", "--config", str(peer_config), "--run-id", run_id, "--algorithm", algorithm,
+                               "--run-dir", str(run_dir / node), "--host-maddrs", f"/ip4/{star.ip(node)}/tcp/0",
+                               "--initial-peers", boot_maddr, "--no-checkpoint")
+            peers.append(sup.start(names[i + 1], star.exec_argv(node, argv), run_dir / f"{node}.log",
+                                   env=_child_env((i, s.peers), bw)))
+        for p in peers:
+            sup.wait_ready(p, s.ready_timeout_s)
+        t0 = time.time()
+        click.echo(f"[{name}] {s.peers} peers ready; running {s.duration_s:.0f} s")
+        end = time.monotonic() + s.duration_s
+        while time.monotonic() < end:
+            for p in peers:
+                if p.poll() is not None:
+                    raise BenchError(f"[{name}] {p.name} exited with code {p.poll()} during the run; log "
+                                     f"{p.log_path}:\n{p.log_tail()}")
+            time.sleep(0.5)
+        t_end = time.time()
+    finally:
+        sup.stop_all(s.stop_grace_s, names=[n for n in names if n in sup.children])
+    fast = {f"p{i}" for i in range(s.peers) if i % 2 == 0}
+    return analyse_run(name, algorithm, bw, {f"p{i}": run_dir / f"p{i}" / "metrics.jsonl" for i in range(s.peers)},
+                       fast, t0, t_end)
+
+
+def probe_links(star: netlab.Star, s: Settings) -> dict[str, float]:
+    """Measured TCP Mbit/s of a fast->fast and a fast->slow transfer (is the shaping what we asked for?)."""
+    out = {}
+    for src, dst, nbytes in (("p0", "p2", 2_000_000), ("p0", "p1", 1_000_000)):
+        if dst in star.nodes:
+            out[f"{src}->{dst}"] = nbytes * 8 / 1e6 / netlab.measure_transfer(star, src, dst, nbytes, timeout_s=30)
+    return out
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+@click.command()
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="write the rows (and details) here")
+@click.option("--quick", is_flag=True, help="smoke run: 45 s per run")
+@click.option("--cleanup", "cleanup_only", is_flag=True, help="remove namespaces (and processes in them) left by a "
+              "crashed earlier run, then exit")
+@click.option("--runs", default=",".join(DEFAULT_RUNS), show_default=True,
+              help=f"comma-separated, from {', '.join(RUNS)}")
+@click.option("--peers", type=click.IntRange(2, 16), default=6, show_default=True)
+@click.option("--duration-s", type=click.FloatRange(10), help="seconds per run after all peers are ready "
+              "[180; --quick 45]")
+@click.option("--fast-mbit", type=click.FloatRange(0.1), default=30.0, show_default=True)
+@click.option("--slow-mbit", type=click.FloatRange(0.1), default=3.0, show_default=True)
+@click.option("--inner-steps", type=click.IntRange(1), default=20, show_default=True, help="H, every run")
+@click.option("--target-margin", type=click.FloatRange(0), default=0.02, show_default=True,
+              help="nats added to the highest final mean loss to make the target")
+@click.option("--peer-config", type=click.Path(exists=True, dir_okay=False), help="TOML for every peer instead "
+              "of the built-in one (the benchmark still sets algorithm, run id, addresses, shard, weighting)")
+@click.option("--out-dir", type=click.Path(file_okay=False), help="logs and metrics [runs/hetero-<time>]")
+def main(json_out, quick, cleanup_only, runs, peers, duration_s, fast_mbit, slow_mbit, inner_steps, target_margin,
+         peer_config, out_dir) -> None:
+    """GASLoC vs DiLoCo on real peers with half the links 10x slower: time to a common target loss."""
+    why = netlab.unavailable_reason()
+    if why is not None:
+        raise click.ClickException(f"this benchmark {why}")
+    if cleanup_only:
+        removed = netlab.cleanup(TAG)
+        click.echo(f"removed {len(removed)} namespaces" + (f": {' '.join(removed)}" if removed else ""))
+        return
+    names = [r.strip() for r in runs.split(",") if r.strip()]
+    bad = [r for r in names if r not in RUNS]
+    if bad or not names:
+        raise click.BadParameter(f"unknown run(s) {bad}; choose from {', '.join(RUNS)}", param_hint="--runs")
+    s = Settings(peers, duration_s or (45.0 if quick else 180.0), fast_mbit, slow_mbit, inner_steps)
+    out = Path(out_dir or f"runs/hetero-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if peer_config is None:
+        peer_config = out / "peer.toml"
+        peer_config.write_text(PEER_TOML.format(inner_steps=inner_steps))
+    stale = [ns for ns in netlab.list_namespaces() if ns.startswith(TAG)]
+    if stale:
+        click.echo(f"note: namespaces of other or crashed runs exist ({' '.join(stale)}); "
+                   f"`bench/hetero.py --cleanup` removes those of dead runs", err=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+    star = netlab.Star(netlab.run_prefix(TAG), [netlab.Node("boot", s.boot_mbit)] +
+                       [s.peer_node(i) for i in range(s.peers)])
+    sup = None
+    results, error, loads = [], None, {}
+    load_before = loadavg()
+    try:
+        from gasloc.procs import Supervisor
+
+        star.up()
+        click.echo(f"star {star.prefix}: {star.describe()}")
+        links = probe_links(star, s)
+        click.echo("measured links: " + ", ".join(f"{k} {v:.1f} Mbit/s" for k, v in links.items()))
+        sup = Supervisor()
+        for name in names:
+            loads[name] = [loadavg()]
+            click.echo(f"[{name}] starting (load average {loads[name][0]})")
+            results.append(run_one(name, sup, star, s, out, Path(peer_config).resolve()))
+            loads[name].append(loadavg())
+    except Interrupted as e:
+        error = f"interrupted by {e}"
+    except (BenchError, netlab.NetlabError) as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - any failure still reaches the cleanup below and one clear line
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        # nothing may stop the cleanup half-way: a second Ctrl+C now would leave namespaces and processes behind
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        if error:
+            click.echo(f"{error}; cleaning up", err=True)
+        left = None
+        if sup is not None:
+            sup.stop_all(s.stop_grace_s)
+            left = sup.cleanup()
+        removed = star.down()
+        click.echo(f"cleanup: removed {len(removed)} namespaces; leftovers before the final sweep: "
+                   f"{left if left else 'none'}")
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+    if error:
+        click.echo(f"Error: {error}", err=True)
+        sys.exit(1)
+
+    target = pick_target(results, target_margin)
+    settings = {**s.__dict__, "target_margin": target_margin, "peer_config": Path(peer_config).read_text(),
+                "load_before": load_before, "load_after": loadavg(), "load_per_run": loads, "links_measured_mbit": links,
+                "out_dir": str(out)}
+    report, doc = format_report(results, target, settings)
+    click.echo(report)
+    if json_out:
+        Path(json_out).write_text(json.dumps(doc, indent=2) + "\n")
+        click.echo(f"wrote {json_out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Analysis for bench/hetero.py, pure (files in, numbers and text out): the swarm's mean validation loss over time,
+time to a target, and where each peer's round time went.
+
+The swarm's mean validation loss at time t = mean over peers of each peer's latest val_loss at or before t; a
+peer's start event (initial_loss) is its first value.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PARTS = ("compute_s", "wait_s", "transfer_s", "outer_s")
+DROP_FRACTIONS = (0.5, 0.75, 0.9, 1.0)  # milestones: this fraction of the way from the initial loss to the target
+GOAL_RATIO = 0.6                        # issue #5: GASLoC's time to target <= 0.6x DiLoCo's
+
+
+@dataclass
+class RunResult:
+    name: str
+    algorithm: str
+    bandwidth_aware: bool | None
+    duration_s: float
+    curve: list[tuple[float, float]]          # (seconds since t0, swarm mean val loss), at each change
+    breakdown: dict[str, dict[str, float]] = field(default_factory=dict)  # "fast" / "slow" -> per-peer means
+    pairs: dict[str, float] = field(default_factory=dict)  # ok pairwise exchanges by the partners' link classes
+
+    @property
+    def initial_loss(self) -> float:
+        return self.curve[0][1]
+
+    @property
+    def final_loss(self) -> float:
+        return self.curve[-1][1]
+
+    def time_to(self, level: float) -> float | None:
+        return next((t for t, loss in self.curve if loss <= level), None)
+
+
+def read_events(path: Path) -> list[dict]:
+    out = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a kill
+    return out
+
+
+def loss_points(events: list[dict]) -> list[tuple[float, float]]:
+    pts = []
+    for e in events:
+        if e.get("event") == "start" and e.get("initial_loss") is not None:
+            pts.append((float(e["time"]), float(e["initial_loss"])))
+        elif e.get("event") == "round" and e.get("val_loss") is not None:
+            pts.append((float(e["time"]), float(e["val_loss"])))
+    return sorted(pts)
+
+
+def mean_loss_curve(points_by_peer: dict[str, list[tuple[float, float]]], t0: float, t_end: float
+                    ) -> list[tuple[float, float]]:
+    """(t - t0, mean over peers of their latest loss at or before t) at t0 and at every change in (t0, t_end];
+    empty until every peer has a value."""
+    merged = sorted((t, peer, loss) for peer, pts in points_by_peer.items() for t, loss in pts if t <= t_end)
+    latest: dict[str, float] = {}
+    curve: list[tuple[float, float]] = []
+    n = len(points_by_peer)
+    i = 0
+    while i < len(merged) and merged[i][0] <= t0:
+        latest[merged[i][1]] = merged[i][2]
+        i += 1
+    if len(latest) == n:
+        curve.append((0.0, sum(latest.values()) / n))
+    for t, peer, loss in merged[i:]:
+        latest[peer] = loss
+        if len(latest) == n:
+            curve.append((t - t0, sum(latest.values()) / n))
+    return curve
+
+
+def breakdown(events_by_peer: dict[str, list[dict]], groups: dict[str, set[str]], t0: float, t_end: float
+              ) -> dict[str, dict[str, float]]:
+    """Per group of peers, the per-peer means of: rounds, inner steps, ok exchanges and seconds spent computing,
+    waiting for a partner/group, transferring, in the outer step, and the rest of the round (evaluation, ...)."""
+    out = {}
+    for group, members in groups.items():
+        tot = {"rounds": 0.0, "inner_steps": 0.0, "ok": 0.0, "round_s": 0.0, **{p: 0.0 for p in PARTS}}
+        for peer in members:
+            for e in events_by_peer.get(peer, []):
+                if e.get("event") != "round" or not t0 <= float(e["time"]) <= t_end:
+                    continue
+                tot["rounds"] += 1
+                tot["inner_steps"] += e.get("inner_steps") or 0
+                tot["ok"] += e.get("outcome") == "ok"
+                tot["round_s"] += e.get("round_s") or 0.0
+                for p in PARTS:
+                    tot[p] += e.get(p) or 0.0
+        k = max(len(members), 1)
+        row = {key: v / k for key, v in tot.items()}
+        row["other_s"] = max(0.0, row["round_s"] - sum(row[p] for p in PARTS))
+        out[group] = row
+    return out
+
+
+def pair_counts(events_by_peer: dict[str, list[dict]], fast: set[str], t0: float, t_end: float) -> dict[str, float]:
+    """Successful pairwise exchanges in [t0, t_end] by link class of the two partners: fast-fast, fast-slow,
+    slow-slow. Each exchange is logged by both partners, so every side counts one half."""
+    ids = {e["peer_id"]: peer for peer, evs in events_by_peer.items() for e in evs
+           if e.get("event") == "start" and e.get("peer_id")}
+    out = {"fast-fast": 0.0, "fast-slow": 0.0, "slow-slow": 0.0}
+    for peer, evs in events_by_peer.items():
+        for e in evs:
+            if (e.get("event") != "round" or e.get("outcome") != "ok" or e.get("group_size") != 2
+                    or e.get("partner") not in ids or not t0 <= float(e["time"]) <= t_end):
+                continue
+            kinds = sorted("fast" if p in fast else "slow" for p in (peer, ids[e["partner"]]))
+            out["-".join(kinds)] += 0.5
+    return out
+
+
+def analyse_run(name: str, algorithm: str, bandwidth_aware: bool | None, metrics: dict[str, Path],
+                fast: set[str], t0: float, t_end: float) -> RunResult:
+    events = {peer: read_events(path) for peer, path in metrics.items()}
+    curve = mean_loss_curve({p: loss_points(ev) for p, ev in events.items()}, t0, t_end)
+    if not curve:
+        missing = [p for p, ev in events.items() if not loss_points(ev)]
+        raise ValueError(f"run {name}: no loss recorded by {missing} (see their logs next to metrics.jsonl)")
+    groups = {"fast": set(fast) & set(events), "slow": set(events) - set(fast)}
+    return RunResult(name, algorithm, bandwidth_aware, t_end - t0, curve, breakdown(events, groups, t0, t_end),
+                     pair_counts(events, set(fast), t0, t_end))
+
+
+def pick_target(results: list[RunResult], margin: float) -> float:
+    """A loss every run reaches: the highest final mean loss plus `margin`."""
+    return max(r.final_loss for r in results) + margin
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_report(results: list[RunResult], target: float, settings: dict) -> tuple[str, dict]:
+    ref = next((r for r in results if r.algorithm == "diloco"), None)
+    ref_t = ref.time_to(target) if ref else None
+    rows, lines = [], []
+    lines.append(f"target loss {target:.4f} (highest final mean loss + {settings.get('target_margin', 0):g})")
+    lines.append("| run | algorithm | bandwidth-aware | time to target s | x DiLoCo | initial loss | final loss | "
+                 "duration s |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    ratios = {}
+    for r in results:
+        t = r.time_to(target)
+        ratio = t / ref_t if (t is not None and ref_t) else None
+        ratios[r.name] = ratio
+        bw = "n/a" if r.bandwidth_aware is None else ("on" if r.bandwidth_aware else "off")
+        lines.append(f"| {r.name} | {r.algorithm} | {bw} | {_fmt(t)} | {_fmt(ratio, '.2f')} | "
+                     f"{r.initial_loss:.4f} | {r.final_loss:.4f} | {r.duration_s:.0f} |")
+        rows.append({"run": r.name, "algorithm": r.algorithm, "bandwidth_aware": r.bandwidth_aware,
+                     "target_loss": round(target, 5), "time_to_target_s": None if t is None else round(t, 2),
+                     "final_loss": round(r.final_loss, 5), "duration_s": round(r.duration_s, 2),
+                     "ratio_to_diloco": None if ratio is None else round(ratio, 3)})
+
+    # milestones: a common scale from the mean initial loss down to the target
+    start = sum(r.initial_loss for r in results) / len(results)
+    levels = [start - f * (start - target) for f in DROP_FRACTIONS]
+    lines.append("")
+    lines.append("time (s) to reach a fraction of the drop from the initial loss (%.3f) to the target:" % start)
+    lines.append("| run | " + " | ".join(f"{int(f * 100)}% ({lv:.3f})" for f, lv in zip(DROP_FRACTIONS, levels))
+                 + " |")
+    lines.append("|---|" + "---|" * len(levels))
+    milestones = {}
+    for r in results:
+        ts = [r.time_to(lv) for lv in levels]
+        milestones[r.name] = [None if t is None else round(t, 2) for t in ts]
+        lines.append(f"| {r.name} | " + " | ".join(_fmt(t) for t in ts) + " |")
+
+    lines.append("")
+    lines.append("where a peer's round time went (per-peer means over the run; % of the run's round time):")
+    lines.append("| run | links | rounds | inner steps | ok exchanges | s/round | compute | wait | transfer | "
+                 "outer | eval+other |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        for group, b in r.breakdown.items():
+            rs = b["round_s"] or 1.0
+            lines.append(f"| {r.name} | {group} | {b['rounds']:.1f} | {b['inner_steps']:.0f} | {b['ok']:.1f} | "
+                         f"{b['round_s'] / max(b['rounds'], 1):.2f} | "
+                         + " | ".join(f"{100 * b[p] / rs:.0f}%" for p in (*PARTS, "other_s")) + " |")
+
+    if any(sum(r.pairs.values()) for r in results):
+        lines.append("")
+        lines.append("successful pairwise exchanges by the partners' links:")
+        lines.append("| run | fast-fast | fast-slow | slow-slow |")
+        lines.append("|---|---|---|---|")
+        for r in results:
+            if sum(r.pairs.values()):
+                lines.append(f"| {r.name} | {r.pairs['fast-fast']:.0f} | {r.pairs['fast-slow']:.0f} | "
+                             f"{r.pairs['slow-slow']:.0f} |")
+
+    verdict = []
+    for r in results:
+        if r.algorithm == "gasloc" and ratios.get(r.name) is not None:
+            ok = ratios[r.name] <= GOAL_RATIO
+            verdict.append(f"{r.name}: {ratios[r.name]:.2f}x DiLoCo's time -> {'met' if ok else 'NOT met'}")
+    lines.append("")
+    lines.append(f"goal GASLoC <= {GOAL_RATIO}x DiLoCo's time to target: " + ("; ".join(verdict) or
+                                                                              "no GASLoC and DiLoCo pair to compare"))
+    doc = {"rows": rows, "target_loss": round(target, 5), "milestone_fractions": list(DROP_FRACTIONS),
+           "milestone_levels": [round(lv, 5) for lv in levels], "milestones_s": milestones,
+           "breakdown": {r.name: r.breakdown for r in results}, "pairs": {r.name: r.pairs for r in results},
+           "settings": settings,
+           "curves": {r.name: [[round(t, 2), round(v, 5)] for t, v in r.curve] for r in results}}
+    return "\n".join(lines), doc

@@ -1,0 +1,108 @@
+"""bench/hetero.py leaves nothing behind: SIGTERM or SIGINT in the middle of a run removes its namespaces and every
+process in them; after a SIGKILL of the benchmark, `--cleanup` does. A small swarm (2 peers) for speed. Needs
+root and `ip netns`."""
+from __future__ import annotations
+
+import importlib.util
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gasloc.procs import is_alive, read_stat
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+_spec = importlib.util.spec_from_file_location("netlab", BENCH / "netlab.py")
+netlab = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("netlab", netlab)
+_spec.loader.exec_module(netlab)
+
+_why = netlab.unavailable_reason()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=f"network namespaces: {_why}")]
+
+
+def _start(tmp_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(BENCH / "hetero.py"), "--peers", "2", "--runs", "gasloc",
+                             "--duration-s", "300", "--out-dir", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+
+
+def _wait_line(proc: subprocess.Popen, needle: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready:
+            line = proc.stdout.readline()
+            if needle in line:
+                return
+            if not line and proc.poll() is not None:
+                break
+    proc.kill()
+    pytest.fail(f"no line with {needle!r} within {timeout_s:.0f} s (rc={proc.poll()}): {proc.stderr.read()[-2000:]}")
+
+
+def _inside(prefix: str) -> dict[int, int]:
+    """pid -> start ticks of every process in the run's namespaces."""
+    out = {}
+    for ns in netlab.list_namespaces():
+        if ns.startswith(prefix):
+            for pid in netlab.namespace_pids(ns):
+                st = read_stat(pid)
+                if st is not None:
+                    out[pid] = st.start_ticks
+    return out
+
+
+def _assert_gone(prefix: str, procs: dict[int, int]) -> None:
+    deadline = time.monotonic() + 15
+    while [p for p, t in procs.items() if is_alive(p, t)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p, t in procs.items() if is_alive(p, t)] == []
+    assert [ns for ns in netlab.list_namespaces() if ns.startswith(prefix)] == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_interrupt_removes_namespaces_and_processes(tmp_path, sig):
+    proc = _start(tmp_path)
+    prefix = netlab.run_prefix("ghx", pid=proc.pid)
+    try:
+        _wait_line(proc, "peers ready", 180)
+        procs = _inside(prefix)
+        # the bootstrap and both peers, each with its DHT child and p2pd
+        assert len(procs) >= 3 * 3, f"expected the swarm's processes inside the namespaces, found {procs}"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    assert f"interrupted by {sig.name}" in err
+    _assert_gone(prefix, procs)
+
+
+@pytest.mark.timeout(240)
+def test_cleanup_after_sigkill_of_the_benchmark(tmp_path):
+    proc = _start(tmp_path)
+    prefix = netlab.run_prefix("ghx", pid=proc.pid)
+    try:
+        _wait_line(proc, "peers ready", 180)
+        procs = _inside(prefix)
+        proc.kill()
+        proc.wait()
+        assert [ns for ns in netlab.list_namespaces() if ns.startswith(prefix)], "nothing left to clean up"
+        r = subprocess.run([sys.executable, str(BENCH / "hetero.py"), "--cleanup"], capture_output=True, text=True,
+                           timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        netlab.remove_namespaces([ns for ns in netlab.list_namespaces() if ns.startswith(prefix)])
+    assert r.returncode == 0, r.stderr
+    assert prefix in r.stdout
+    _assert_gone(prefix, procs)

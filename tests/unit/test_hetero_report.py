@@ -1,0 +1,72 @@
+"""bench/hetero_report.py: the swarm's mean loss curve, time to target and the round-time breakdown, on
+hand-made metrics."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_path = Path(__file__).resolve().parents[2] / "bench" / "hetero_report.py"
+_spec = importlib.util.spec_from_file_location("hetero_report", _path)
+hr = importlib.util.module_from_spec(_spec)
+sys.modules["hetero_report"] = hr  # dataclasses look their module up there
+_spec.loader.exec_module(hr)
+
+
+def test_mean_curve_uses_each_peers_latest_value_and_waits_for_all():
+    pts = {"a": [(10.0, 5.0), (20.0, 3.0), (40.0, 2.0)], "b": [(12.0, 5.0), (30.0, 4.0), (50.0, 1.0)]}
+    curve = hr.mean_loss_curve(pts, t0=15.0, t_end=45.0)
+    # at t0 both have their first value; then a->3 (t=20), b->4 (t=30), a->2 (t=40); b's t=50 is past the end
+    assert curve == [(0.0, 5.0), (5.0, 4.0), (15.0, 3.5), (25.0, 3.0)]
+    late = hr.mean_loss_curve({"a": [(10.0, 5.0)], "b": [(20.0, 4.0)]}, t0=15.0, t_end=30.0)
+    assert late == [(5.0, 4.5)]  # nothing until b has a value
+
+
+def _write(path: Path, events: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "round", "ti')  # torn last line
+    return path
+
+
+def _round(t, val, **kw):
+    base = {"event": "round", "time": t, "val_loss": val, "inner_steps": 10, "outcome": "ok", "round_s": 4.0,
+            "compute_s": 1.0, "wait_s": 0.5, "transfer_s": 2.0, "outer_s": 0.1}
+    return {**base, **kw}
+
+
+def test_analyse_target_and_report(tmp_path):
+    m = {
+        "p0": _write(tmp_path / "fast/p0.jsonl", [{"event": "start", "time": 0.0, "initial_loss": 6.0, "peer_id": "A"},
+                                                   _round(4.0, 4.0, partner="B", group_size=2),
+                                                   _round(8.0, 3.0, partner="B", group_size=2),
+                                                   _round(200.0, 1.0)]),
+        "p1": _write(tmp_path / "fast/p1.jsonl", [{"event": "start", "time": 1.0, "initial_loss": 6.0, "peer_id": "B"},
+                                                   _round(4.0, 4.5, partner="A", group_size=2),
+                                                   _round(10.0, 4.0, outcome="solo", transfer_s=0.0)]),
+    }
+    fast = hr.analyse_run("gasloc", "gasloc", True, m, {"p0"}, t0=2.0, t_end=100.0)
+    assert fast.curve == [(0.0, 6.0), (2.0, 5.0), (2.0, 4.25), (6.0, 3.75), (8.0, 3.5)]
+    assert fast.pairs == {"fast-fast": 0.0, "fast-slow": 1.5, "slow-slow": 0.0}  # the t=200 round is after t_end
+    assert fast.breakdown["fast"]["rounds"] == 2 and fast.breakdown["slow"]["ok"] == 1
+    assert fast.breakdown["fast"]["other_s"] == pytest.approx(2 * 0.4)  # per-peer totals over the run
+    slow = hr.RunResult("diloco", "diloco", None, 98.0, [(0.0, 6.0), (50.0, 4.0), (90.0, 3.9)])
+    target = hr.pick_target([fast, slow], 0.05)
+    assert target == pytest.approx(3.95)
+    assert fast.time_to(target) == 6.0 and slow.time_to(target) == 90.0
+    text, doc = hr.format_report([fast, slow], target, {"target_margin": 0.05})
+    rows = {r["run"]: r for r in doc["rows"]}
+    assert set(rows["gasloc"]) >= {"algorithm", "bandwidth_aware", "target_loss", "time_to_target_s", "final_loss",
+                                   "duration_s"}
+    assert rows["gasloc"]["ratio_to_diloco"] == pytest.approx(6 / 90, abs=1e-3)
+    assert rows["diloco"]["bandwidth_aware"] is None
+    assert "gasloc: 0.07x DiLoCo's time -> met" in text
+
+
+def test_run_without_losses_is_an_error(tmp_path):
+    m = {"p0": _write(tmp_path / "p0.jsonl", [{"event": "start", "time": 0.0, "initial_loss": 6.0}]),
+         "p1": tmp_path / "missing.jsonl"}
+    with pytest.raises(ValueError, match=r"no loss recorded by \['p1'\]"):
+        hr.analyse_run("x", "gasloc", False, m, {"p0"}, 0.0, 10.0)

@@ -154,7 +154,7 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
         click.echo(f"[{name}] {s.peers} peers ready; running {s.duration_s:.0f} s")
         end = time.monotonic() + s.duration_s
         while time.monotonic() < end:
-            for p in peers:
+            for p in [boot, *peers]:
                 if p.poll() is not None:
                     raise BenchError(f"[{name}] {p.name} exited with code {p.poll()} during the run; log "
                                      f"{p.log_path}:\n{p.log_tail()}")
@@ -270,8 +270,8 @@ def main(json_out, quick, cleanup_only, runs, peers, duration_s, fast_mbit, slow
 
     target = pick_target(results, target_margin)
     settings = {**s.__dict__, "target_margin": target_margin, "peer_config": Path(peer_config).read_text(),
-                "load_before": load_before, "load_after": loadavg(), "load_per_run": loads, "links_measured_mbit": links,
-                "out_dir": str(out)}
+                "load_before": load_before, "load_after": loadavg(), "load_per_run": loads,
+                "links_measured_mbit": links, "out_dir": str(out)}
     report, doc = format_report(results, target, settings)
     click.echo(report)
     if json_out:

@@ -116,11 +116,12 @@ class WorkerProc:
         self.send(**cmd)
         return self.recv(timeout)
 
-    def stop(self) -> None:
+    def stop(self, graceful_s: float) -> None:
+        """Ask the worker to exit (it shuts its DHT and p2pd down), then kill its process group regardless."""
         if self.proc.poll() is None:
             try:
                 self.send(op="exit")
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=graceful_s)
             except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
                 pass   # it is killed below either way
         try:
@@ -227,8 +228,9 @@ def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], 
     finally:
         # hivemind leaves DHT/averager socket files behind: note ours while their owners live, remove them after
         sockets = owned_sockets(set().union(*(descendants(w.proc.pid) for w in workers)))
+        failing = sys.exc_info()[0] is not None      # interrupted or failed: do not wait long for a busy worker
         for w in workers:
-            w.stop()
+            w.stop(graceful_s=2 if failing else 15)
         remove(sockets)
         if netns is not None:
             netns.down()

@@ -9,7 +9,6 @@ log_interval_s until SIGINT/SIGTERM -> shut the DHT down (p2pd and its sockets w
 from __future__ import annotations
 
 import fcntl
-import glob
 import logging
 import os
 import signal
@@ -83,30 +82,6 @@ def swarm_size(dht, run_id: str, timeout_s: float) -> dict[str, int]:
     return out
 
 
-def remove_own_shm() -> None:
-    """hivemind's MPFuture keeps a torch shared-memory buffer named /dev/shm/torch_<our pid>_*; torch_shm_manager
-    removes it a few seconds after we exit, or never if it is killed first. Unlinking it ourselves at shutdown is
-    safe: our mapping stays valid until exit."""
-    for path in glob.glob(f"/dev/shm/torch_{os.getpid()}_*"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-def _make_dht_class():
-    from gasloc.peer.safeproc import SafeDHT
-
-    class BootstrapDHT(SafeDHT):
-        def run(self) -> None:
-            # The fork inherits our SIGTERM handler, which would only set a flag in the child; give it back the
-            # default so DHT.shutdown()'s terminate() fallback works.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            super().run()
-
-    return BootstrapDHT
-
-
 def run(cfg: BootstrapConfig) -> int:
     stop = threading.Event()
     signals = {"n": 0}
@@ -126,10 +101,11 @@ def run(cfg: BootstrapConfig) -> int:
     from hivemind.p2p import P2PDaemonError
 
     from gasloc.peer.membership import make_validators
+    from gasloc.peer.safeproc import SafeDHT, remove_own_shm
 
     _, validators = make_validators(cfg.run_id)
     try:
-        dht = _make_dht_class()(
+        dht = SafeDHT(
             initial_peers=cfg.initial_peers or None, start=True, record_validators=validators,
             host_maddrs=cfg.listen_maddrs, announce_maddrs=cfg.announce_maddrs or None,
             identity_path=str(Path(cfg.identity_path).expanduser()), startup_timeout=cfg.startup_timeout_s)

@@ -17,6 +17,8 @@ CONFIGS = {
     "sim": "gasloc.sim.config:SimConfig",
     "export": "gasloc.peer.export:ExportConfig",
     "tokenize": "gasloc.peer.tokenize_cli:TokenizeConfig",
+    "swarm": "gasloc.swarm:SwarmRunConfig",
+    "doctor": "gasloc.doctor:DoctorConfig",
 }
 
 

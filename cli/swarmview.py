@@ -29,7 +29,7 @@ class JsonlTail:
             try:
                 out.append(json.loads(line))
             except ValueError:
-                continue  # a line torn by a kill: skipped, like gasloc.peer.metrics.read_metrics does
+                continue  # a line torn by a kill: skipped
         return out
 
 

@@ -6,9 +6,9 @@ into memory we own. `Channel.take_over` swaps the transport's protocol for this 
 (`transport.set_protocol`, public asyncio API, also implemented by uvloop), so the kernel writes tensor bytes
 straight into preallocated tensors (`readinto`). Writes go to the transport in chunks with explicit flow control.
 
-Memory bound: bytes that arrive while no read is pending go to a staging buffer capped at STAGING_LIMIT_BYTES; past
-it we stop reading the socket (p2pd and the peer then see backpressure). A peer can never make us hold more than
-that plus the buffer we chose to read into.
+Memory bound: bytes that arrive while no read is pending go to a staging buffer; past STAGING_LIMIT_BYTES we stop
+reading the socket (p2pd and the peer then see backpressure). A peer can never make us hold more than that plus one
+scratch read (_SCRATCH_BYTES) per stream, besides the buffers we chose to read into.
 
 Every method that waits can be cancelled (callers wrap exchanges in asyncio.timeout); a closed or reset connection
 raises ConnectionResetError, an EOF in the middle of a read raises asyncio.IncompleteReadError.
@@ -54,6 +54,7 @@ class Channel(asyncio.BufferedProtocol):
         self._into_target = False
         self._discarding = False
         self._eof_waiter: asyncio.Future[None] | None = None
+        self._stream_pair: tuple[Any, Any] | None = None
         self.bytes_read = 0
         self.bytes_written = 0
 

@@ -178,7 +178,8 @@ class Peer:
     def _make_averaging(self):
         if self.cfg.outer.algorithm == "diloco":
             from gasloc.peer.diloco_swarm import DilocoAveraging
-            return DilocoAveraging(self.cfg, self.net, self.params, stopping=self.stopping)
+            return DilocoAveraging(self.cfg, self.net, self.params, stopping=self.stopping,
+                                   set_state=self._set_state)
         from gasloc.peer.gossip_swarm import GossipAveraging
         return GossipAveraging(self.cfg, self.net, stopping=self.stopping, set_state=self._set_state)
 
@@ -295,7 +296,8 @@ class Peer:
 
     # ------------------------------------------------------------------ state shared with the network side
     def live_count(self) -> int:
-        return len(self.net.live) if self.net is not None else 0
+        """Other compatible peers that are past joining (they train and communicate)."""
+        return sum(r.state != "joining" for r in self.net.live.values()) if self.net is not None else 0
 
     def _set_state(self, state: str, announce: bool = True, wait: bool = False) -> None:
         if state != self.state:

@@ -67,8 +67,9 @@ class SafeAverager(DecentralizedAverager):
 
 
 class DilocoAveraging:
-    def __init__(self, cfg, net, params: list[torch.Tensor], *, stopping: threading.Event):
-        self.cfg, self.net, self.stopping = cfg, net, stopping
+    def __init__(self, cfg, net, params: list[torch.Tensor], *, stopping: threading.Event,
+                 set_state: Callable[[str], None]):
+        self.cfg, self.net, self.stopping, self.set_state = cfg, net, stopping, set_state
         d = cfg.diloco
         # scratch buffers in shared memory; CPU fp32 whatever the training device
         self.buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in params]
@@ -89,6 +90,7 @@ class DilocoAveraging:
             return RoundExchange(outcome="solo", detail="no other live DiLoCo peer")
         target = n_live if d.max_group_size is None else min(d.max_group_size, n_live)
         self.averager.set_target_group_size(target)
+        self.set_state("exchanging")
         with self.averager.get_tensors() as bufs:
             for b, s in zip(bufs, sent):
                 b.copy_(s)

@@ -67,8 +67,9 @@ class ExchangeConfig(BaseModel):
                                           "default: our own tensors at float32, the most a compatible peer sends")
     chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="bytes per write before waiting for the "
                              "stream buffer to drain")
-    max_streams: int = Field(32, ge=1, le=MAX_STREAMS, description="parallel p2p streams per exchange (one yamux "
-                             "stream alone stalls on links with deep queues or long round trips)")
+    max_streams: int = Field(32, ge=1, le=MAX_STREAMS, description="parallel p2p streams per exchange we initiate "
+                             "(one yamux stream alone stalls on links with deep queues or long round trips; as "
+                             "responder we follow the initiator, up to the protocol's 64)")
     min_stream_bytes: int = Field(1 << 20, ge=4096, description="payload bytes per extra stream: a payload of B "
                                   "bytes uses min(max_streams, B // min_stream_bytes) streams, at least one")
 

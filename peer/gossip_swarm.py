@@ -118,8 +118,6 @@ class GossipAveraging:
         report.bytes_sent += res.bytes_sent
         report.bytes_received += res.bytes_received
         report.exchange_s = res.seconds
-        if res.partner:
-            report.partners_tried.append(res.partner)
         if not res.ok:
             return False
         report.received, report.kind, report.group_size = res.tensors, "pair", 2

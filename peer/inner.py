@@ -49,7 +49,7 @@ def inner_step(model: LlamaLM, opt: torch.optim.Optimizer, batch: torch.Tensor, 
     if cfg.grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
-    value = float(loss)
+    value = float(loss.detach())
     if not math.isfinite(value):
         raise FloatingPointError(f"training loss became {value} at inner step {step}: lower inner.lr")
     return value

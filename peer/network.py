@@ -42,7 +42,8 @@ class Network:
         self.membership: Membership | None = None
         self.state_server = None
         self.live: dict[str, PeerRecord] = {}      # compatible live peers, as of the last listing
-        self.peer_id, self.maddrs = "", []
+        self.peer_id, self.maddrs, self.fingerprint = "", [], ""
+        self.signer = None
         self._tasks: list = []
         self.listed_at = 0.0
         self._snapshot = None
@@ -67,8 +68,9 @@ class Network:
         self.peer_id = dht.peer_id.to_base58()
         self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
         if not net.initial_peers:
+            public = [m for m in self.maddrs if "/127.0.0.1/" not in m and "/::1/" not in m] or self.maddrs
             log.warning("no initial peers: starting a new swarm; others join with --initial-peers %s",
-                        self.maddrs[0] if self.maddrs else "<this peer's maddr>")
+                        public[0] if public else "<this peer's multiaddr>")
         log.info("dht_started peer_id=%s maddrs=%s", self.peer_id, ",".join(self.maddrs))
 
     def compute_fingerprint(self, model: torch.nn.Module, vocab_size: int) -> str:

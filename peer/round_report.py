@@ -4,7 +4,7 @@ DiLoCo's all-reduce), so the training loop applies and records them the same way
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -29,7 +29,6 @@ class RoundExchange:
     wait_s: float = 0.0          # looking for a partner: from ready until the reported attempt started
     attempts: int = 0
     detail: str = ""
-    partners_tried: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -10,8 +10,8 @@ import pytest
 
 from gasloc.procs import read_stat
 
-from e2e.swarm_helpers import (Listing, compute_share, ok_partners, rounds, start_event, start_peers, steps_per_s,
-                               val_losses, write_config)
+from e2e.swarm_helpers import (Listing, ok_partners, rounds, start_event, start_peers, steps_per_s,
+                               throughput_ratio, val_losses, write_config)
 
 EXCHANGE_TIMEOUT_S = 2.5  # [exchange] exchange_timeout_s in swarm_helpers.PEER_TOML
 FRESH_LOSS = 5.0          # a fresh tiny model on bytes: ~5.2 nats (ln 256 = 5.55)
@@ -30,9 +30,9 @@ def _all_have(h, names, ok_rounds, partners, since=0.0):
 @pytest.mark.timeout(420)
 def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, bootstrap):
     h = harness
-    # rounds of ~2 s against a 1.2 s partner deadline: with 3 peers left, one is always the odd one out and may
+    # rounds of ~3 s against a 1.2 s partner deadline: with 3 peers left, one is always the odd one out and may
     # wait the whole deadline; real rounds (hundreds of steps) make that share far smaller still
-    cfg = write_config(h, inner_steps=20)
+    cfg = write_config(h, inner_steps=30)
     names = ["p0", "p1", "p2", "p3"]
     ids = start_peers(h, names, bootstrap, cfg)
 
@@ -60,9 +60,9 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
     t_resume = time.time()
     for n in survivors:
         rs = rounds(h, n)
-        before, during = compute_share(rs, t_pause - 20, t_pause), compute_share(rs, t_pause, t_resume)
+        ratio = throughput_ratio(rs, (t_pause - 20, t_pause), (t_pause, t_resume))
         raw = steps_per_s(rs, t_pause - 20, t_pause), steps_per_s(rs, t_pause, t_resume)
-        assert during >= 0.8 * before, (n, before, during, "steps/s before, during:", raw)
+        assert ratio >= 0.8, (n, ratio, "raw steps/s before, during:", raw)
         late = [r for r in rs if r["time"] >= t_pause]
         assert all(r["exchange_s"] <= EXCHANGE_TIMEOUT_S + 0.5 for r in late), late
     h.wait_until(_all_have(h, ["p3"], ok_rounds=1, partners=1, since=t_resume), 90,
@@ -85,8 +85,10 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
         rs = rounds(h, n)
         vals = val_losses(rs)
         assert len(vals) >= 5 and vals[-1] < FRESH_LOSS - 2.0 and vals[-1] < vals[0] - 0.2, (n, vals)
+        # ~30 local AdamW steps move two peers apart by a few tenths of their norm; a swarm that splits or
+        # diverges grows past it without bound
         cons = sorted(r["consensus"] for r in rs if r["outcome"] == "ok")
-        assert cons[-1] < 2.0 and cons[len(cons) // 2] < 0.5, (n, cons)
+        assert cons[-1] < 2.0 and cons[len(cons) // 2] < 1.0, (n, cons)
 
 
 @pytest.mark.timeout(300)

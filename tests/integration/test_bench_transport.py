@@ -1,0 +1,73 @@
+"""bench/transport.py end to end on a tiny payload: it runs every method, checks what arrived, writes its JSON, and
+leaves no worker, namespace or socket file behind, also when it is interrupted."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "transport.py"
+
+
+def workers_alive() -> list[int]:
+    """PIDs of transport workers still running (no other program runs bench/transport_worker.py)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"transport_worker.py" in (entry / "cmdline").read_bytes():
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_bench_quick_loopback_all_methods(tmp_path):
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, str(BENCH), "--sizes", "1M", "--links", "loopback", "--reps", "1",
+                        "--warmup", "0", "--json", str(out)], capture_output=True, text=True, timeout=140)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(x["method"], x["wire_dtype"]) for x in rows} == {
+        (m, w) for m in ("gasloc", "tcp", "hivemind_raw_stream", "hivemind_averager") for w in ("float32", "float16")}
+    for x in rows:
+        assert x["link"] == "loopback" and x["params"] == 1_000_000 and x["seconds"] > 0 and x["mb_s_each_way"] > 0
+    assert "vs averager" in r.stdout and "target >= 2.0x" in r.stdout
+    assert not workers_alive()
+
+
+def test_bench_rejects_bad_options():
+    r = subprocess.run([sys.executable, str(BENCH), "--links", "10gbit"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown ['10gbit']" in r.stderr
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="shaped links need root (ip netns, tc)")
+def test_bench_sigterm_removes_namespaces_and_workers():
+    proc = subprocess.Popen([sys.executable, str(BENCH), "--sizes", "1M", "--links", "100mbit", "--reps", "50",
+                             "--methods", "tcp,gasloc", "--wires", "float32"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    prefix = f"gxb{proc.pid % 100000}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:           # readiness: the first timed run is printed
+            line = proc.stdout.readline()
+            if " rep " in line or not line:
+                break
+        assert " rep " in line, proc.stderr.read()[-2000:]
+        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"{prefix}a" in namespaces and workers_alive()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not workers_alive()

@@ -1,0 +1,66 @@
+"""kill -9 a peer at random moments, ten times: each restart resumes from a valid checkpoint (round and loss go
+on), and a corrupted newest checkpoint is skipped, never loaded. Issue #4's crash-safety test, on real processes."""
+import json
+import random
+import time
+
+import pytest
+
+from e2e.harness import LOOPBACK
+from e2e.swarm_helpers import write_config
+
+
+def records(h, event):
+    return [r for r in h.metrics("peer") if r.get("event") == event]
+
+
+def last_val_loss(rounds):
+    return next(r["val_loss"] for r in reversed(rounds) if r.get("val_loss") is not None)
+
+
+@pytest.mark.timeout(540)
+def test_sigkill_at_random_moments_always_resumes_from_a_valid_checkpoint(harness):
+    h = harness
+    config = write_config(h, inner_steps=5)
+    config.write_text(config.read_text() + "[checkpoint]\nevery_rounds = 1\nkeep = 2\n")
+    run_dir = h.dir("peer")
+    rng = random.Random(20261130)
+    fresh_loss = last_round = last_val = None
+    for i in range(10):
+        name = f"peer-{i}"
+        h.start(name, "peer", "--config", config, "--host-maddrs", LOOPBACK, "--run-dir", run_dir)
+        start = h.wait_until(lambda: len(records(h, "start")) == i + 1 and records(h, "start")[-1], 60,
+                             f"start record of restart {i}")
+        if i == 0:
+            assert start["round"] == 0
+            fresh_loss = start["initial_loss"]
+        else:
+            # a checkpoint is written right after its round's record, so the newest valid one is the last logged
+            # round or, when the kill landed inside the write, the one before
+            assert last_round - 1 <= start["round"] <= last_round, (start, last_round)
+            # the loss goes on from where it was (not a fresh model's)
+            assert start["initial_loss"] < last_val + 0.5, (start, last_val)
+        n_before = len(records(h, "round"))
+        h.wait_until(lambda: len(records(h, "round")) >= n_before + 2, 90, f"two rounds after restart {i}")
+        time.sleep(rng.uniform(0.0, 1.5))  # a random moment: inner steps, outer update or checkpoint write
+        h.kill(name)
+        assert h.wait_exit(name, 10) == -9
+        assert h.wait_tree_gone(name, 15), f"{name} left its DHT child or p2pd behind"
+        rounds = records(h, "round")
+        last_round, last_val = rounds[-1]["round"], last_val_loss(rounds)
+    assert last_val < fresh_loss - 1.0, (last_val, fresh_loss)  # it learned across the ten crashes
+
+    # corrupt the newest checkpoint: the next start skips it, says so, and resumes from the older one
+    ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*"),
+                   key=lambda p: json.loads((p / "meta.json").read_text())["round"])
+    assert len(ckpts) >= 2
+    state = ckpts[-1] / "state.safetensors"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(data)
+    h.start("peer-final", "peer", "--config", config, "--host-maddrs", LOOPBACK, "--run-dir", run_dir)
+    start = h.wait_until(lambda: len(records(h, "start")) == 11 and records(h, "start")[-1], 60, "final start")
+    assert start["round"] == json.loads((ckpts[-2] / "meta.json").read_text())["round"]
+    log = (h.run_dir / "peer-final.log").read_text()
+    assert ckpts[-1].name in log and "skip" in log, log[-3000:]
+    assert h.stop("peer-final") == 0

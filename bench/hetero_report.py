@@ -24,6 +24,7 @@ class RunResult:
     curve: list[tuple[float, float]]          # (seconds since t0, swarm mean val loss), at each change
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)  # "fast" / "slow" -> per-peer means
     pairs: dict[str, float] = field(default_factory=dict)  # ok pairwise exchanges by the partners' link classes
+    t0: float = 0.0                           # Unix time the run's clock started (every peer READY)
 
     @property
     def initial_loss(self) -> float:
@@ -131,7 +132,7 @@ def analyse_run(name: str, algorithm: str, bandwidth_aware: bool | None, metrics
         raise ValueError(f"run {name}: no loss recorded by {missing} (see their logs next to metrics.jsonl)")
     groups = {"fast": set(fast) & set(events), "slow": set(events) - set(fast)}
     return RunResult(name, algorithm, bandwidth_aware, t_end - t0, curve, breakdown(events, groups, t0, t_end),
-                     pair_counts(events, set(fast), t0, t_end))
+                     pair_counts(events, set(fast), t0, t_end) if algorithm != "diloco" else {}, t0)
 
 
 def pick_target(results: list[RunResult], margin: float) -> float:
@@ -161,7 +162,7 @@ def format_report(results: list[RunResult], target: float, settings: dict) -> tu
                      f"{r.initial_loss:.4f} | {r.final_loss:.4f} | {r.duration_s:.0f} |")
         rows.append({"run": r.name, "algorithm": r.algorithm, "bandwidth_aware": r.bandwidth_aware,
                      "target_loss": round(target, 5), "time_to_target_s": None if t is None else round(t, 2),
-                     "final_loss": round(r.final_loss, 5), "duration_s": round(r.duration_s, 2),
+                     "final_loss": round(r.final_loss, 5), "duration_s": round(r.duration_s, 2), "t0_unix": r.t0,
                      "ratio_to_diloco": None if ratio is None else round(ratio, 3)})
 
     # milestones: a common scale from the mean initial loss down to the target
@@ -190,13 +191,13 @@ def format_report(results: list[RunResult], target: float, settings: dict) -> tu
                          f"{b['round_s'] / max(b['rounds'], 1):.2f} | "
                          + " | ".join(f"{100 * b[p] / rs:.0f}%" for p in (*PARTS, "other_s")) + " |")
 
-    if any(sum(r.pairs.values()) for r in results):
+    if any(r.pairs for r in results):  # DiLoCo has none: its groups of two (while peers join) are no pairing
         lines.append("")
         lines.append("successful pairwise exchanges by the partners' links:")
         lines.append("| run | fast-fast | fast-slow | slow-slow |")
         lines.append("|---|---|---|---|")
         for r in results:
-            if sum(r.pairs.values()):
+            if r.pairs:
                 lines.append(f"| {r.name} | {r.pairs['fast-fast']:.0f} | {r.pairs['fast-slow']:.0f} | "
                              f"{r.pairs['slow-slow']:.0f} |")
 

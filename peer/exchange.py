@@ -72,6 +72,10 @@ class ExchangeConfig(BaseModel):
                              "responder we follow the initiator, up to the protocol's 64)")
     min_stream_bytes: int = Field(1 << 20, ge=4096, description="payload bytes per extra stream: a payload of B "
                                   "bytes uses min(max_streams, B // min_stream_bytes) streams, at least one")
+    fast_link_bytes_per_s: float = Field(50e6, gt=0, description="a partner whose last exchange moved at least "
+                                         "this many bytes/s each way is on a fast link: there the CPU, not the "
+                                         "stream window, is the limit, and extra streams only cost CPU")
+    fast_link_streams: int = Field(4, ge=1, le=MAX_STREAMS, description="streams per exchange with such a partner")
 
     @model_validator(mode="after")
     def _accept_within_exchange(self) -> "ExchangeConfig":
@@ -161,6 +165,9 @@ class Exchanger:
         self._handlers: set[asyncio.Task] = set()
         self._incoming: asyncio.Queue[ExchangeResult] = asyncio.Queue()
         self._started = False
+        self._rates: dict[str, float] = {}              # partner -> bytes/s each way of our last exchange
+        self._spare: list[torch.Tensor] | None = None   # recycled output tensors (see recycle)
+        self._wire_bufs: dict[str, list[torch.Tensor]] = {}   # receive buffers for a 16-bit wire, reused
 
     # ---- lifecycle ----
 
@@ -216,6 +223,17 @@ class Exchanger:
             left.append(self._incoming.get_nowait())
         return left
 
+    def recycle(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Hand back the tensors of a finished exchange once you no longer need them: the next exchange receives
+        into them instead of fresh memory (for a 100M-parameter model that saves ~0.3 CPU-s of page faults per
+        exchange). They will be overwritten; keep no reference you still read."""
+        ok = len(tensors) == len(self.specs) and all(
+            tuple(t.shape) == s.shape and t.dtype == d and t.is_contiguous() and t.device.type == "cpu"
+            for t, s, d in zip(tensors, self.specs, self._local_dtypes))
+        if not ok:
+            raise ValueError("recycle() takes the tensors of an exchange result (same shapes and dtypes as specs)")
+        self._spare = list(tensors)
+
     @property
     def engaged(self) -> str | None:
         """"initiator:<peer>" or "responder:<peer>" while an exchange is in flight, else None."""
@@ -257,7 +275,10 @@ class Exchanger:
         eng = self._engagement = _Engagement("initiator", partner, asyncio.current_task())
         phase = "connect"
         total = payload_bytes(self.specs, self.cfg.wire_dtype)
-        lanes = lane_count(total, self.cfg.max_streams, self.cfg.min_stream_bytes)
+        rate = self._rates.get(partner)
+        fast = rate is not None and rate >= self.cfg.fast_link_bytes_per_s
+        streams = min(self.cfg.fast_link_streams, self.cfg.max_streams) if fast else self.cfg.max_streams
+        lanes = lane_count(total, streams, self.cfg.min_stream_bytes)
         try:
             async with asyncio.timeout(self.cfg.exchange_timeout_s):
                 async with asyncio.timeout(self.cfg.accept_timeout_s):
@@ -285,7 +306,9 @@ class Exchanger:
                 if code != Code.OK:
                     return result(Outcome.rejected, code, why)
                 offer.used = True
-                return result(Outcome.ok, Code.OK, "", tensors, reply.round)
+                r = result(Outcome.ok, Code.OK, "", tensors, reply.round)
+                self._remember_rate(partner, r)
+                return r
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
             outcome, code, detail = _failure(e, phase)
             return result(outcome, code, detail)
@@ -376,6 +399,12 @@ class Exchanger:
 
     # ---- both roles ----
 
+    def _remember_rate(self, partner: str, r: ExchangeResult) -> None:
+        if len(self._rates) >= 4096:               # bounded: forget the oldest partner
+            self._rates.pop(next(iter(self._rates)))
+        self._rates.pop(partner, None)
+        self._rates[partner] = max(r.bytes_sent, r.bytes_received) / max(r.seconds, 1e-6)
+
     async def _wire_tensors(self, offer: _Offer) -> list[torch.Tensor]:
         """The offered tensors in our wire dtype, cast once per offer in a worker thread."""
         async with offer.wire_lock:
@@ -391,13 +420,22 @@ class Exchanger:
         """Send ours and receive theirs at once over all lanes, then trade verdicts on the control stream.
         Returns (tensors, OK, "") only when both sides accepted; otherwise (None, the code, why)."""
         ours = await self._wire_tensors(offer)
-        # sized from OUR specs (validated equal to theirs): a partner cannot make us allocate more
-        bufs = [torch.empty(s.shape, dtype=torch_dtype(their_wire_dtype)) for s in self.specs]
+        # every buffer is sized from OUR specs (validated equal to theirs): a partner cannot make us allocate more
+        out, self._spare = self._spare, None
+        if out is None:
+            out = [torch.empty(s.shape, dtype=d) for s, d in zip(self.specs, self._local_dtypes)]
+        wire = torch_dtype(their_wire_dtype)
+        if all(d == wire for d in self._local_dtypes):
+            bufs = out                   # zero-copy: the partner's bytes land in the tensors we return
+        else:
+            bufs = self._wire_bufs.get(their_wire_dtype)
+            if bufs is None:
+                bufs = self._wire_bufs[their_wire_dtype] = [torch.empty(s.shape, dtype=wire) for s in self.specs]
         await move(channels, ours, bufs, self.cfg.chunk_bytes)
-        finished = await in_thread(lambda: [finish_received(b, d) for b, d in zip(bufs, self._local_dtypes)])
-        tensors = [t for t, _ in finished]
+        finished = await in_thread(lambda: [finish_received(b, o) for b, o in zip(bufs, out)])
+        tensors = out
         ch = channels[0]
-        bad = [i for i, (_, ok) in enumerate(finished) if not ok]
+        bad = [i for i, ok in enumerate(finished) if not ok]
         verdict = Code.NOT_FINITE if bad else Code.OK
         eng.verdict_sent = True
         await ch.write(bytes([verdict]))

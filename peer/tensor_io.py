@@ -49,10 +49,12 @@ def to_wire(t: torch.Tensor, wire_dtype: str) -> torch.Tensor:
     return t.detach().to(torch_dtype(wire_dtype)).contiguous()
 
 
-def finish_received(buf: torch.Tensor, local_dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """A received wire tensor in the local dtype, and whether all its values are finite."""
-    out = buf if buf.dtype == local_dtype else buf.to(local_dtype)   # a cast keeps NaN/Inf, so check after
-    return out, is_finite(out)
+def finish_received(buf: torch.Tensor, out: torch.Tensor) -> bool:
+    """Cast a received wire tensor into `out` (nothing to do when they are the same tensor); whether all its values
+    are finite (checked after the cast, which keeps NaN/Inf)."""
+    if out is not buf:
+        out.copy_(buf)
+    return is_finite(out)
 
 
 async def in_thread(fn, *args):

@@ -106,6 +106,7 @@ class ExchangeResult:
     role: Literal["initiator", "responder"] = "initiator"
     round: int = -1           # our round of the offer this exchange used
     partner_round: int = -1
+    streams: int = 0          # parallel p2p streams the exchange used (0: none opened)
 
     @property
     def ok(self) -> bool:
@@ -115,7 +116,7 @@ class ExchangeResult:
         code = self.code.name if self.code is not None else "-"
         return (f"role={self.role} round={self.round} partner={self.partner} outcome={self.outcome.value} "
                 f"code={code} sent_mb={self.bytes_sent / 1e6:.1f} recv_mb={self.bytes_received / 1e6:.1f} "
-                f"seconds={self.seconds:.3f} detail={self.detail!r}")
+                f"seconds={self.seconds:.3f} streams={self.streams} detail={self.detail!r}")
 
 
 @dataclass
@@ -263,7 +264,7 @@ class Exchanger:
                    partner_round: int = -1) -> ExchangeResult:
             r = ExchangeResult(outcome, partner, code, tensors, sum(c.bytes_written for c in channels),
                                sum(c.bytes_read for c in channels), time.monotonic() - t0, detail, "initiator",
-                               offer.round, partner_round)
+                               offer.round, partner_round, len(channels))
             logger.log(logging.INFO if r.ok else logging.DEBUG, f"exchange {r.log_line()}")
             return r
 
@@ -373,8 +374,8 @@ class Exchanger:
         token, lane_waiters = self._lanes.expect(partner, request.streams)
         try:
             async with asyncio.timeout(self.cfg.exchange_timeout_s):
-                reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(Code.OK), fingerprint=self.fingerprint,
-                                      round=offer.round, wire_dtype=self.cfg.wire_dtype, specs=tuple(self.specs),
+                reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(Code.OK),
+                                      fingerprint=self.fingerprint, round=offer.round, wire_dtype=self.cfg.wire_dtype, specs=tuple(self.specs),
                                       total_bytes=payload_bytes(self.specs, self.cfg.wire_dtype), token=token)
                 await ch.write(encode_header(reply))
                 if lane_waiters:
@@ -393,7 +394,7 @@ class Exchanger:
             offer.used = True
         r = ExchangeResult(outcome, partner, code, tensors if outcome is Outcome.ok else None,
                            sum(c.bytes_written for c in channels), sum(c.bytes_read for c in channels),
-                           time.monotonic() - t0, detail, "responder", offer.round, request.round)
+                           time.monotonic() - t0, detail, "responder", offer.round, request.round, len(channels))
         logger.log(logging.INFO if r.ok else logging.DEBUG, f"exchange {r.log_line()}")
         self._incoming.put_nowait(r)     # collected by wait_incoming() or withdraw()
 

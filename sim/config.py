@@ -28,8 +28,8 @@ class ClockConfig(BaseModel):
     nominal_params: int | None = Field(100_000_000, ge=1, description="model size the message bytes are scaled "
                                        "to (the simulated model is tiny; the clock charges as if it had this many "
                                        "parameters); unset: the simulated model's own size")
-    match_timeout_s: float | None = Field(None, ge=0, description="how long a ready worker waits for a partner "
-                                          "before a solo round; unset: until a topology neighbour is ready")
+    match_timeout_s: float | None = Field(None, ge=0, description="schedule async: how long a ready worker waits "
+                                          "for a partner before a solo round; unset: until a neighbour is ready")
 
     def base_link(self) -> Link:
         return Link(self.seconds_per_step, self.bandwidth_mbps * 1e6, self.latency_ms / 1e3)
@@ -45,6 +45,10 @@ class SimConfig(BaseModel):
     seed: int = Field(0, description="seed of the model init (same for all workers) and of the matchings")
     topology: Topology = Field("random", description="complete (everyone averages with everyone: DiLoCo's "
                                "all-reduce) | random (random pairs) | ring | exponential; diloco always all-reduces")
+    schedule: Literal["lockstep", "async"] = Field("lockstep", description="lockstep: every worker does round r "
+                                                   "then r+1, each on its own clock, a pair waiting only for "
+                                                   "itself; async: no shared round counter, a ready worker pairs "
+                                                   "with a ready neighbour (fast workers do more rounds)")
     num_partners: Literal[1, 2] = Field(1, description="partners per round: one matching, or the union of two")
     bandwidth_weighted: bool = Field(False, description="pick pairs with probability growing with their link "
                                      "bandwidth (min of the two workers')")

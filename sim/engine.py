@@ -1,4 +1,5 @@
-"""The event loop of the simulated swarm: who computes, waits and exchanges when, on per-worker virtual clocks.
+"""The asynchronous schedule (`--schedule async`): an event loop over per-worker virtual clocks with no shared round
+counter. (The default, lock-step schedule is sim/lockstep.py; both share the Trainer protocol and WorkerState.)
 
 No torch here: the tensor work is delegated to a `Trainer` (sim/runner.py; tests pass a fake), so the clock model
 can be tested on its own. Each worker cycles
@@ -11,6 +12,10 @@ link, and nobody else waits. A worker whose wait passes `match_timeout_s` does a
 In barrier mode (DiLoCo's all-reduce, or the complete topology) a round starts only when every worker is waiting,
 and the all-reduce is gated by the slowest link. With equal speeds and links every worker is ready at the same
 instant, so the swarm moves in lock-step rounds; with unequal ones, fast workers do more rounds.
+
+Known artefact: clocks here have no jitter, so workers whose phases lock together keep meeting only each other
+(e.g. two fast workers that finish every exchange at the same instant re-pair forever); such cliques never average
+with the rest of the swarm. A live swarm has the same risk if its matcher is first-come first-served.
 
 The tensor work of a compute phase runs when the phase ends (its "ready" event), so at any virtual time each
 worker's parameters are those of its last finished event: evaluations see a consistent snapshot.
@@ -37,8 +42,9 @@ class Trainer(Protocol):
     def send(self, i: int) -> int:
         """Prepare worker i's outgoing tensors (outer.outgoing); return how many numbers they hold."""
 
-    def mix(self, i: int, partners: list[int]) -> None:
-        """Compute worker i's mixed tensors from its partners' outgoing ones (no partners: a solo round)."""
+    def mix_round(self, partners: Mapping[int, list[int]]) -> None:
+        """Compute the mixed tensors of every worker in one matching from its partners' outgoing ones (symmetric:
+        j in partners[i] iff i in partners[j]); a worker with no partners has a solo round."""
 
     def allreduce(self, workers: list[int]) -> None:
         """Give every worker the mean over all of them (DiLoCo's all-reduce)."""
@@ -60,7 +66,7 @@ class WorkerState:
     idle_s: float = 0.0         # time spent waiting for partners
 
 
-class Engine:
+class AsyncEngine:
     """Drives a Trainer through rounds on virtual clocks. Iterate `run()`: it yields after each instant."""
 
     def __init__(self, links: Sequence[Link], edges: Sequence[Edge], *, barrier: bool, communicates: bool,
@@ -127,13 +133,13 @@ class Engine:
                     if self.communicates:
                         w.phase, w.ready_at = WAIT, t
                     else:
-                        trainer.mix(i, [])
+                        trainer.mix_round({i: []})
                         self._finish_round(trainer, i, t)
                 elif w.phase == EXCHANGE:
                     self._finish_round(trainer, i, t)
                 else:  # waited past the timeout: a solo round (mix is the identity), as a live peer does
                     w.idle_s += t - w.ready_at
-                    trainer.mix(i, [])
+                    trainer.mix_round({i: []})
                     self._finish_round(trainer, i, t)
             self._match(trainer, t)
             yield t
@@ -155,8 +161,8 @@ class Engine:
             for i, ps in enumerate(random_matching(self.k, edges, self.rng, self.weights)):
                 partners[i].extend(p for p in ps if p not in partners[i])
         matched = [i for i in waiting if partners[i]]
-        for i in matched:  # every mix reads the partners' outgoing tensors before anyone applies
-            trainer.mix(i, partners[i])
+        # every mix reads the partners' outgoing tensors now, before anyone applies
+        trainer.mix_round({i: partners[i] for i in matched})
         for i in matched:
             w = self.workers[i]
             # with two partners the worker sends its message twice, one exchange after the other

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -21,7 +21,8 @@ from gasloc.protocol.averaging import exact_mean, mix
 from gasloc.protocol.matching import bandwidth_weights, graph_edges
 from gasloc.sim.clock import build_links
 from gasloc.sim.config import SimConfig
-from gasloc.sim.engine import Engine
+from gasloc.sim.engine import AsyncEngine
+from gasloc.sim.lockstep import LockstepEngine
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,7 @@ class SimTrainer:
         self.steps = [0] * k
         self.sent: list[list[torch.Tensor] | None] = [None] * k
         self.mixed: list[list[torch.Tensor] | None] = [None] * k
-        # symmetric weights keep the swarm mean: with two matchings united, 1/3 for every edge (not 1/2 for a
-        # worker that happened to get one partner and 1/3 for its partner that got two)
         self.weight = cfg.outer.mix_weight
-        if self.weight is None and cfg.num_partners == 2:
-            self.weight = 1 / 3
 
     @property
     def num_params(self) -> int:
@@ -68,9 +65,25 @@ class SimTrainer:
         self.sent[i] = self.outers[i].outgoing(self.params[i])
         return sum(t.numel() for t in self.sent[i])
 
-    def mix(self, i: int, partners: list[int]) -> None:
-        own = self.sent[i]
-        self.mixed[i] = mix(own, [self.sent[j] for j in partners], self.weight) if partners else own
+    def mix_round(self, partners: Mapping[int, list[int]]) -> None:
+        """Edge weights are symmetric (w_ij = w_ji), so every round keeps the swarm mean: the configured weight,
+        else the Metropolis weight 1/(1 + max(deg_i, deg_j)) - 1/2 for a plain pair (the pair mean), 1/3 where
+        either side has two partners this round."""
+        degree = {i: len(ps) for i, ps in partners.items()}
+        for i, ps in partners.items():
+            own = self.sent[i]
+            groups: dict[float, list[int]] = {}
+            for j in ps:
+                w = self.weight if self.weight is not None else 1 / (1 + max(degree[i], degree[j]))
+                groups.setdefault(w, []).append(j)
+            if not groups:
+                self.mixed[i] = own
+                continue
+            # z = own + sum_j w_j (x_j - own), one protocol.mix call per distinct weight
+            parts = [mix(own, [self.sent[j] for j in js], w) for w, js in groups.items()]
+            for extra in parts[1:]:
+                torch._foreach_add_(parts[0], torch._foreach_sub(extra, own))
+            self.mixed[i] = parts[0]
 
     def allreduce(self, workers: list[int]) -> None:
         if self.weight is None:  # the exact mean, computed once (every update reads `mixed` without writing it)
@@ -125,11 +138,15 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
     scale = cfg.clock.nominal_params / trainer.num_params if cfg.clock.nominal_params else 1.0
     edges = graph_edges(cfg.topology, k)
     weights = bandwidth_weights(k, [x.bandwidth_bps for x in links], edges) if cfg.bandwidth_weighted else None
-    engine = Engine(links, edges, barrier=cfg.barrier, communicates=cfg.outer.communicates,
-                    steps_for=lambda i: steps_this_round(cfg.inner, links[i].seconds_per_step),
-                    wire_bytes=lambda numel: numel * cfg.clock.bytes_per_param * scale,
-                    rng=random.Random(cfg.seed), num_partners=cfg.num_partners, weights=weights,
-                    match_timeout_s=cfg.clock.match_timeout_s)
+    common = dict(barrier=cfg.barrier, communicates=cfg.outer.communicates,
+                  steps_for=lambda i: steps_this_round(cfg.inner, links[i].seconds_per_step),
+                  wire_bytes=lambda numel: numel * cfg.clock.bytes_per_param * scale,
+                  rng=random.Random(cfg.seed), num_partners=cfg.num_partners, weights=weights)
+    engine: LockstepEngine | AsyncEngine
+    if cfg.schedule == "lockstep":
+        engine = LockstepEngine(links, cfg.topology, **common)
+    else:
+        engine = AsyncEngine(links, edges, match_timeout_s=cfg.clock.match_timeout_s, **common)
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
     total = k * cfg.rounds
     evals: list[dict] = []

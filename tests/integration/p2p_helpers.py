@@ -2,7 +2,8 @@
 
 Each test runs its own event loop (`arun`) with a hard deadline. P2P instances are created and shut down inside it
 (`p2p_nodes`), so their p2pd children exit with the test. Subprocess partners (`Partner`) are reaped by PID with
-their p2pd, and their unix socket files removed, also when the test fails; conftest.py asserts at the end of the session that none survived.
+their p2pd, and their unix socket files removed, also when the test fails; conftest.py asserts at the end of the
+session that none survived.
 """
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ class Partner:
 
     async def __aenter__(self) -> "Partner":
         self.proc = await asyncio.create_subprocess_exec(sys.executable, str(PARTNER), *self.args,
-                                                         stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
+                                                         stdout=asyncio.subprocess.PIPE,
+                                                         stdin=asyncio.subprocess.DEVNULL)
         try:
             words = await self.expect("READY", timeout=30)
         except BaseException:

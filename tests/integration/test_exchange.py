@@ -456,3 +456,31 @@ def test_exchange_over_the_dhts_own_daemons():
         for d in dhts:
             d.shutdown()
         remove(sockets)
+
+
+@pytest.mark.timeout(60)
+def test_recycled_tensors_are_reused_and_fast_partners_get_fewer_streams():
+    async def main():
+        async with p2p_nodes(2) as (a, b):
+            # every partner counts as "fast" after one exchange: 1 byte/s is enough
+            ea = exchanger(a, min_stream_bytes=4096, max_streams=16, fast_link_bytes_per_s=1.0, fast_link_streams=2)
+            eb = exchanger(b, wire_dtype="bfloat16")
+            await ea.start(), await eb.start()
+            for rnd in range(3):
+                ta, tb = tensors(10 + rnd), tensors(20 + rnd)
+                ea.offer(ta, rnd), eb.offer(tb, rnd)
+                res = await ea.exchange(b.peer_id)
+                inc = await eb.wait_incoming(5)
+                assert res.ok and inc.ok
+                assert res.streams == inc.streams == (16 if rnd == 0 else 2)       # learned: a fast partner
+                assert all(torch.allclose(x, y, rtol=1.6e-2) for x, y in zip(res.tensors, tb))   # bf16 wire
+                assert all(torch.equal(x, y) for x, y in zip(inc.tensors, ta))
+                if rnd:
+                    assert [t.data_ptr() for t in res.tensors] == ptr_a            # received into recycled memory
+                    assert [t.data_ptr() for t in inc.tensors] == ptr_b
+                ptr_a, ptr_b = [t.data_ptr() for t in res.tensors], [t.data_ptr() for t in inc.tensors]
+                ea.recycle(res.tensors), eb.recycle(inc.tensors)
+                await ea.withdraw(), await eb.withdraw()
+            with pytest.raises(ValueError, match="recycle"):
+                ea.recycle(tensors(1)[:2])
+    arun(main())

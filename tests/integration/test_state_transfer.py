@@ -8,7 +8,6 @@ import torch
 from gasloc.peer.channel import Channel, read_header
 from gasloc.peer.state_transfer import (StateDownloadError, StateServer, StateTransferConfig, download_state,
                                         handler_name)
-from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import PROTOCOL_VERSION, StateReply, StateRequest, TensorSpec, fingerprint, payload_bytes
 from gasloc.protocol.wire import encode_header
 from p2p_helpers import Partner, arun, p2p_nodes

@@ -8,7 +8,8 @@ from gasloc.config import ConfigError
 from gasloc.peer.inner import InnerConfig, steps_this_round
 from gasloc.protocol.matching import graph_edges
 from gasloc.sim.clock import Link, allreduce_seconds, build_links, pair_seconds
-from gasloc.sim.engine import Engine
+from gasloc.sim.engine import AsyncEngine
+from gasloc.sim.lockstep import LockstepEngine
 
 FAST = Link(seconds_per_step=0.5, bandwidth_bps=1e9, latency_s=0.01)
 SLOW = Link(seconds_per_step=0.5, bandwidth_bps=1e8, latency_s=0.01)
@@ -19,7 +20,7 @@ class FakeTrainer:
     """Records when (virtual time) each worker runs inner steps, mixes and applies."""
 
     def __init__(self):
-        self.engine: Engine | None = None
+        self.engine: AsyncEngine | None = None
         self.log: list[tuple] = []
 
     def inner(self, i, steps):
@@ -28,8 +29,10 @@ class FakeTrainer:
     def send(self, i):
         return 1000
 
-    def mix(self, i, partners):
-        self.log.append(("mix", i, tuple(partners), self.engine.now))
+    def mix_round(self, partners):
+        for i, ps in partners.items():
+            assert all(i in partners[j] for j in ps)  # symmetric
+            self.log.append(("mix", i, tuple(ps), self.engine.now))
 
     def allreduce(self, workers):
         self.log.append(("allreduce", tuple(workers), self.engine.now))
@@ -42,7 +45,7 @@ class FakeTrainer:
 
 
 def make(links, edges, *, barrier=False, steps=lambda i: 4, timeout=None, communicates=True):
-    eng = Engine(links, edges, barrier=barrier, communicates=communicates, steps_for=steps,
+    eng = AsyncEngine(links, edges, barrier=barrier, communicates=communicates, steps_for=steps,
                  wire_bytes=lambda numel: M, rng=random.Random(0), match_timeout_s=timeout)
     tr = FakeTrainer()
     tr.engine = eng
@@ -53,6 +56,66 @@ def drive(eng, tr, until_rounds):
     for _ in eng.run(tr):
         if min(w.rounds for w in eng.workers) >= until_rounds:
             return
+
+
+def make_lockstep(links, topology="random", *, barrier=False, steps=lambda i: 4, seed=0):
+    eng = LockstepEngine(links, topology, barrier=barrier, communicates=True, steps_for=steps,
+                         wire_bytes=lambda numel: M, rng=random.Random(seed))
+    tr = FakeTrainer()
+    tr.engine = eng
+    return eng, tr
+
+
+def partners_in_round(tr, r):
+    """{worker: partners} of lock-step round r (0-based), from the trainer's log."""
+    rounds = [e for e in tr.log if e[0] == "mix"]
+    k = len({e[1] for e in rounds})
+    return {e[1]: e[2] for e in rounds[r * k:(r + 1) * k]}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lockstep_pair_exchange_advances_only_the_pair(seed):
+    links = [FAST, FAST, FAST, SLOW]
+    eng, tr = make_lockstep(links, seed=seed)
+    next(eng.run(tr))
+    partners = partners_in_round(tr, 0)
+    for i in range(4):
+        (j,) = partners[i]  # four workers on the complete graph: a perfect matching
+        assert eng.clocks[i] == pytest.approx(4 * 0.5 + pair_seconds(M, links[i], links[j]))
+    # the pair with the slow worker ended later; the fast pair did not wait for it
+    assert eng.now == pytest.approx(2 + pair_seconds(M, FAST, SLOW))
+    assert sorted(eng.clocks)[:2] == pytest.approx([2 + pair_seconds(M, FAST, FAST)] * 2)
+
+
+def test_lockstep_exchange_starts_when_both_are_ready():
+    slow_cpu = Link(seconds_per_step=1.5, bandwidth_bps=1e9, latency_s=0.01)
+    eng, tr = make_lockstep([FAST, slow_cpu], "ring")
+    run = eng.run(tr)
+    next(run)
+    assert eng.clocks == pytest.approx([6 + pair_seconds(M, FAST, slow_cpu)] * 2)
+    assert eng.workers[0].idle_s == pytest.approx(4.0) and eng.workers[1].idle_s == 0
+    next(run)
+    assert eng.workers[0].rounds == 2 and eng.workers[0].bytes_sent == 2 * M
+
+
+def test_lockstep_allreduce_is_gated_by_the_slowest_link():
+    links = [FAST, FAST, FAST, SLOW]
+    eng, tr = make_lockstep(links, barrier=True)
+    run = eng.run(tr)
+    next(run)
+    next(run)
+    one = 4 * 0.5 + allreduce_seconds(M, links)
+    assert eng.clocks == pytest.approx([2 * one] * 4)
+    assert allreduce_seconds(M, links) > allreduce_seconds(M, [FAST] * 4) * 9
+
+
+def test_lockstep_time_budget_gives_faster_workers_more_steps():
+    inner = InnerConfig(inner_steps=2, time_budget_s=6.0)
+    links = build_links("half-slow-compute-2x", 4, FAST)
+    eng, tr = make_lockstep(links, steps=lambda i: steps_this_round(inner, links[i].seconds_per_step))
+    next(eng.run(tr))
+    assert {e[1]: e[2] for e in tr.log if e[0] == "inner"} == {0: 12, 1: 12, 2: 6, 3: 6}
+    assert all(w.idle_s == 0 for w in eng.workers)  # everyone computed for the same 6 s: nobody waited
 
 
 def test_link_costs():

@@ -1,0 +1,92 @@
+"""Lock-step rounds on per-worker clocks: the default schedule of `gasloc sim`.
+
+Every worker does round r, then round r+1; only the clocks differ. In a round each worker computes H_i inner steps
+on its own clock (H_i * t_i seconds), then this round's matching (protocol.matching.round_partners, the same rule
+for every algorithm) pairs workers:
+
+    pair (i, j):   starts at max(c_i, c_j) (both ready), costs M / min(B_i, B_j) + l_i + l_j, advances c_i and
+                   c_j only; nobody else waits. With two partners a worker's exchanges run one after the other.
+    all-reduce:    (DiLoCo, or the complete topology) starts at max_i c_i and costs the ring all-reduce over the
+                   slowest link; every clock ends at the same time.
+
+A round's results are those of the last worker to finish it, so an evaluation after round r is stamped with
+max_i c_i. Compare sim/engine.py, where workers do not share a round counter at all.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from gasloc.protocol.matching import Edge, Topology, round_partners
+from gasloc.sim.clock import Link, allreduce_seconds, pair_seconds
+from gasloc.sim.engine import Trainer, WorkerState
+
+
+class LockstepEngine:
+    """Drives a Trainer through lock-step rounds. Iterate `run()`: it yields the virtual time after each round."""
+
+    def __init__(self, links: Sequence[Link], topology: Topology, *, barrier: bool, communicates: bool,
+                 steps_for: Callable[[int], int], wire_bytes: Callable[[int], float], rng: random.Random,
+                 num_partners: int = 1, weights: Mapping[Edge, float] | None = None):
+        self.links, self.topology = list(links), topology
+        self.k = len(self.links)
+        self.barrier, self.communicates = barrier, communicates
+        self.steps_for, self.wire_bytes, self.rng = steps_for, wire_bytes, rng
+        self.num_partners, self.weights = num_partners, weights
+        self.workers = [WorkerState() for _ in range(self.k)]
+        self.clocks = [0.0] * self.k
+        self.now = 0.0
+
+    @property
+    def total_rounds(self) -> int:
+        return sum(w.rounds for w in self.workers)
+
+    @property
+    def total_steps(self) -> int:
+        return sum(w.steps for w in self.workers)
+
+    def run(self, trainer: Trainer, horizon_s: float = math.inf) -> Iterator[float]:
+        """Rounds until the caller stops iterating, or until a round ends past `horizon_s` (that round included)."""
+        while self.now <= horizon_s:
+            for i, w in enumerate(self.workers):
+                steps = self.steps_for(i)
+                trainer.inner(i, steps)
+                w.steps += steps
+                self.clocks[i] += steps * self.links[i].seconds_per_step
+                w.message_bytes = self.wire_bytes(trainer.send(i))
+            if not self.communicates:
+                trainer.mix_round({i: [] for i in range(self.k)})
+            elif self.barrier:
+                self._allreduce(trainer)
+            else:
+                self._pairs(trainer)
+            for i, w in enumerate(self.workers):
+                trainer.apply(i)
+                w.rounds += 1
+            self.now = max(self.clocks)
+            yield self.now
+
+    def _allreduce(self, trainer: Trainer) -> None:
+        start = max(self.clocks)
+        nbytes = max(w.message_bytes for w in self.workers)
+        end = start + allreduce_seconds(nbytes, self.links)
+        trainer.allreduce(list(range(self.k)))
+        for i, w in enumerate(self.workers):
+            w.idle_s += start - self.clocks[i]
+            w.bytes_sent += 2 * (self.k - 1) / self.k * nbytes
+            self.clocks[i] = end
+
+    def _pairs(self, trainer: Trainer) -> None:
+        partners = round_partners(self.topology, self.k, self.rng, num_partners=self.num_partners,
+                                  weights=self.weights)
+        trainer.mix_round({i: partners[i] for i in range(self.k)})
+        for i, j in sorted({(min(i, j), max(i, j)) for i in range(self.k) for j in partners[i]}):
+            wi, wj = self.workers[i], self.workers[j]
+            start = max(self.clocks[i], self.clocks[j])  # both ready
+            wi.idle_s += start - self.clocks[i]
+            wj.idle_s += start - self.clocks[j]
+            wi.bytes_sent += wi.message_bytes
+            wj.bytes_sent += wj.message_bytes
+            self.clocks[i] = self.clocks[j] = start + pair_seconds(max(wi.message_bytes, wj.message_bytes),
+                                                                   self.links[i], self.links[j])

@@ -21,17 +21,10 @@ import click
 def bootstrap(config_file, print_config, **flags) -> None:
     """Run a DHT node for peers to join through; prints its multiaddrs; Ctrl+C or SIGTERM to stop."""
     from gasloc.bootstrap.config import BootstrapConfig
-    from gasloc.config import ConfigError, dump_toml, resolve
+    from gasloc.config import resolve_for_cli
     from gasloc.logs import setup_logging
 
-    try:
-        cfg = resolve(BootstrapConfig, config_file, {k: v for k, v in flags.items()})
-    except ConfigError as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(2)
-    if print_config:
-        click.echo(dump_toml(cfg), nl=False)
-        return
+    cfg = resolve_for_cli(BootstrapConfig, config_file, flags, print_config)
     setup_logging()
     from gasloc.bootstrap.node import BootstrapError, run
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gasloc.maddrs import check_announce_ports, check_maddrs
+
 DEFAULT_PORT = 31337
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -40,21 +42,8 @@ class BootstrapConfig(BaseModel):
             raise ValueError("run_id must be 1-64 letters, digits, '-' or '_'")
         return v
 
-    @field_validator("host_maddrs", "announce_maddrs")
-    @classmethod
-    def _maddrs(cls, v: list[str] | None) -> list[str] | None:
-        for m in v or ():
-            if not m.startswith("/"):
-                raise ValueError(f"{m!r} is not a multiaddr (like /ip4/0.0.0.0/tcp/31337)")
-        return v
-
-    @field_validator("announce_maddrs")
-    @classmethod
-    def _explicit_port(cls, v: list[str]) -> list[str]:
-        for m in v:
-            if re.search(r"/(tcp|udp)/0(/|$)", m):
-                raise ValueError(f"announce address {m!r} has port 0: peers cannot dial it; give the real port")
-        return v
+    _maddrs = field_validator("host_maddrs", "announce_maddrs")(check_maddrs)
+    _explicit_port = field_validator("announce_maddrs")(check_announce_ports)
 
     @field_validator("initial_peers")
     @classmethod

@@ -158,3 +158,20 @@ def dump_toml(cfg: BaseModel) -> str:
         return lines
 
     return "\n".join(emit(cfg.model_dump(mode="json"), "")).strip() + "\n"
+
+
+def resolve_for_cli(model: type[M], config_file: str | Path | None, flags: Mapping[str, Any], print_config: bool,
+                    environ: Mapping[str, str] | None = None) -> M:
+    """What every subcommand does first: resolve its config; on a mistake print `Error: <one line>` and exit 2;
+    with --print-config print the resolved config as TOML and exit 0."""
+    import click
+
+    try:
+        cfg = resolve(model, config_file, flags, environ)
+    except ConfigError as e:
+        click.echo(f"Error: {e}", err=True)
+        raise SystemExit(2) from None
+    if print_config:
+        click.echo(dump_toml(cfg), nl=False)
+        raise SystemExit(0)
+    return cfg

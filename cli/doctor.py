@@ -83,17 +83,10 @@ def render(checks: list) -> None:
 @click.option("--timeout-s", type=float, help="per network step [10]")
 def doctor(config_file, print_config, **flags) -> None:
     """Check this machine for a swarm: p2pd, initial peers, addresses, port, clock, GPU, disk; exit 1 on FAIL."""
-    from gasloc.config import ConfigError, dump_toml, resolve
+    from gasloc.config import resolve_for_cli
     from gasloc.logs import setup_logging
 
-    try:
-        cfg = resolve(DoctorConfig, config_file, flags)
-    except ConfigError as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(2)
-    if print_config:
-        click.echo(dump_toml(cfg), nl=False)
-        return
+    cfg = resolve_for_cli(DoctorConfig, config_file, flags, print_config)
     setup_logging("WARNING")
     checks = run_checks(cfg)
     render(checks)

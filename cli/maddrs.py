@@ -79,3 +79,19 @@ def address_scope(maddr: str) -> str:
     if ip.is_private or ip.is_link_local or ip in ipaddress.ip_network("100.64.0.0/10"):
         return "private"
     return "public" if ip.is_global else "private"
+
+
+def check_maddrs(v: list[str] | None) -> list[str] | None:
+    """A listen/announce multiaddr must at least look like one."""
+    for m in v or ():
+        if not m.startswith("/"):
+            raise ValueError(f"{m!r} is not a multiaddr (like /ip4/0.0.0.0/tcp/31337)")
+    return v
+
+
+def check_announce_ports(v: list[str]) -> list[str]:
+    """Port 0 means 'any' when listening; announced, nobody could dial it."""
+    for m in v:
+        if re.search(r"/(tcp|udp)/0(/|$)", m):
+            raise ValueError(f"announce address {m!r} has port 0: peers cannot dial it; give the real port")
+    return v

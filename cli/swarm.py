@@ -190,17 +190,10 @@ def swarm(config_file, print_config, peer_args, **flags) -> None:
 
     Arguments after `--` go to every `gasloc peer`, e.g. `gasloc swarm --peers 2 -- --max-rounds 20`.
     GASLOC_* environment variables are passed to the peers (the swarm itself reads none)."""
-    from gasloc.config import ConfigError, dump_toml, resolve
+    from gasloc.config import resolve_for_cli
     from gasloc.logs import setup_logging
 
-    try:
-        cfg = resolve(SwarmRunConfig, config_file, flags, environ={})
-    except ConfigError as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(2)
-    if print_config:
-        click.echo(dump_toml(cfg), nl=False)
-        return
+    cfg = resolve_for_cli(SwarmRunConfig, config_file, flags, print_config, environ={})
     setup_logging(os.environ.get("GASLOC_LOG_LEVEL", "WARNING"))
     try:
         sys.exit(run(cfg, peer_args))

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gasloc.maddrs import expand_initial_peers
+from gasloc.maddrs import check_announce_ports, check_maddrs, expand_initial_peers
 from gasloc.peer.checkpoint import CheckpointConfig
 from gasloc.peer.data import DataConfig
 from gasloc.peer.exchange import ExchangeConfig
@@ -48,21 +48,8 @@ class NetworkConfig(_Section):
     def _peers(cls, v: list[str]) -> list[str]:
         return expand_initial_peers(v)
 
-    @field_validator("host_maddrs", "announce_maddrs")
-    @classmethod
-    def _maddrs(cls, v: list[str] | None) -> list[str] | None:
-        for m in v or ():
-            if not m.startswith("/"):
-                raise ValueError(f"{m!r} is not a multiaddr (like /ip4/0.0.0.0/tcp/31337)")
-        return v
-
-    @field_validator("announce_maddrs")
-    @classmethod
-    def _explicit_port(cls, v: list[str]) -> list[str]:
-        for m in v:
-            if re.search(r"/(tcp|udp)/0(/|$)", m):
-                raise ValueError(f"announce address {m!r} has port 0: peers cannot dial it; give the real port")
-        return v
+    _maddrs = field_validator("host_maddrs", "announce_maddrs")(check_maddrs)
+    _explicit_port = field_validator("announce_maddrs")(check_announce_ports)
 
     @property
     def listen_maddrs(self) -> list[str]:

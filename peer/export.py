@@ -17,7 +17,7 @@ from typing import Literal
 import click
 from pydantic import BaseModel, ConfigDict, Field
 
-from gasloc.config import ConfigError, dump_toml, resolve
+from gasloc.config import resolve_for_cli
 
 DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -115,14 +115,7 @@ def run(cfg: ExportConfig) -> dict:
 @click.option("--dtype", type=click.Choice(list(DTYPES)), help="weights dtype (default: float32)")
 def export(config_file, print_config, **flags) -> None:
     """Export the newest valid checkpoint as a Hugging Face LlamaForCausalLM directory."""
-    try:
-        cfg = resolve(ExportConfig, config_file, flags)
-    except ConfigError as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(2)
-    if print_config:
-        click.echo(dump_toml(cfg), nl=False)
-        return
+    cfg = resolve_for_cli(ExportConfig, config_file, flags, print_config)
     try:
         s = run(cfg)
     except ValueError as e:

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gasloc.config import ConfigError, dump_toml, resolve
+from gasloc.config import resolve_for_cli
 
 
 class TokenizeConfig(BaseModel):
@@ -86,14 +86,7 @@ def run(cfg: TokenizeConfig) -> tuple[list[Path], int, int]:
 @click.option("--shard-tokens", type=int, help="tokens per shard file (default: 100M)")
 def tokenize(config_file, print_config, **flags) -> None:
     """Tokenize text files or a Hugging Face dataset into memory-mappable token shards."""
-    try:
-        cfg = resolve(TokenizeConfig, config_file, flags)
-    except ConfigError as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(2)
-    if print_config:
-        click.echo(dump_toml(cfg), nl=False)
-        return
+    cfg = resolve_for_cli(TokenizeConfig, config_file, flags, print_config)
     try:
         shards, docs, total = run(cfg)
     except ValueError as e:

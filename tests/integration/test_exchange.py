@@ -341,7 +341,9 @@ def test_unreachable_or_stopped_partner_fails_within_accept_timeout():
             await eb.stop()          # handler removed: p2pd refuses the protocol, or resets a stream it still routed
             res = await ea.exchange(b.peer_id)
             assert res.outcome is Outcome.failed and res.seconds < 1.5, res
-            assert "protocols not supported" in res.detail or "IncompleteReadError" in res.detail, res
+            # how the refusal surfaces depends on the race with p2pd's stream routing; all are a refused protocol
+            assert any(s in res.detail for s in ("protocols not supported", "IncompleteReadError", "BrokenPipeError",
+                                                  "ConnectionResetError")), res
             assert ea.engaged is None
     arun(main())
 

@@ -74,6 +74,8 @@ def _opt(*names, **kw):
 @_opt("--outer-lr", type=float, help="Outer lr eta. [default: 0.7; gossip 1]")
 @_opt("--momentum", type=float, help="Outer momentum gamma (NoLoCo: beta).")
 @_opt("--mix-weight", type=float, help="Weight per partner in the mix. [default: group mean]")
+@_opt("--schedule", type=click.Choice(("lockstep", "async")), help="Shared round counter or none. "
+      "[default: lockstep]")
 @_opt("--num-partners", type=click.IntRange(1, 2), help="Partners per round. [default: 1]")
 @click.option("--bandwidth-weighted/--no-bandwidth-weighted", default=None,
               help="Favour pairs on fast links. [default: off]")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -146,8 +147,6 @@ def _config(suite: Suite, spec: RunSpec, extra: dict | None = None):
 
 def _timed_run(cfg) -> tuple[Result, dict]:
     """A run and what it cost on this machine (kept apart from the result, which must be deterministic)."""
-    import time
-
     from gasloc.sim.runner import run
     wall, cpu = time.perf_counter(), time.process_time()
     result = run(cfg)
@@ -161,15 +160,18 @@ def _run_child(cfg_json: dict) -> tuple[Result, dict]:
 
 def run_suite(suite: Suite, jobs: int = 1, progress: SuiteProgress | None = None) -> dict:
     """Run every run of `suite` (dependents after their source) and check its claims."""
-    import time
     started = time.perf_counter()
     results: Results = {}
     timing: dict[str, dict] = {}
     pending = list(suite.runs)
     total = len(pending)
 
+    sources = {s.after for s in suite.runs if s.after}
+
     def ready() -> list[RunSpec]:
-        out = [s for s in pending if s.after is None or s.after in results]
+        # runs that others wait for go first, so a dependent chain overlaps with the independent runs
+        out = sorted((s for s in pending if s.after is None or s.after in results),
+                     key=lambda s: s.name not in sources)
         for s in out:
             pending.remove(s)
         return out
@@ -207,8 +209,9 @@ def run_suite(suite: Suite, jobs: int = 1, progress: SuiteProgress | None = None
     order = [s.name for s in suite.runs]
     return {"suite": suite.name, "base": suite.base, "notes": suite.notes,
             "runs": {n: results[n] for n in order}, "claims": claims,
-            "timing": {"jobs": jobs, "wall_s": round(time.perf_counter() - started, 1), "runs": {n: timing[n] for n in order},
-                       "cpu_s": round(sum(t["cpu_s"] for t in timing.values()), 1)}}
+            "timing": {"jobs": jobs, "wall_s": round(time.perf_counter() - started, 1),
+                       "cpu_s": round(sum(t["cpu_s"] for t in timing.values()), 1),
+                       "runs": {n: timing[n] for n in order}}}
 
 
 # ---- report ---------------------------------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 import json
 
 import pytest
+import torch
 
 from gasloc.config import resolve
 from gasloc.sim.config import SimConfig
-from gasloc.sim.runner import run
+from gasloc.sim.runner import SimTrainer, run
 
 TOY = {"workers": 4, "rounds": 4, "eval_every": 2, "model.seq_len": 32, "data.batch_size": 2,
        "data.val_batches": 1, "inner.inner_steps": 3, "inner.warmup_steps": 2}
@@ -83,3 +84,25 @@ def test_time_budget_gives_fast_workers_more_steps_and_local_sends_nothing():
                    "inner.time_budget_s": 1.2, "rounds": 2}))
     assert r["inner_steps_per_worker"] == [8, 8, 4, 4]  # 0.3 s/step -> 4 per round; 0.6 s/step -> 2
     assert r["bytes_sent_per_worker"] == [0, 0, 0, 0]
+
+
+def test_two_partner_mixing_uses_symmetric_weights_and_keeps_the_mean():
+    t = SimTrainer(cfg(workers=3, **{"num_partners": 2}))
+    xs = [torch.tensor([0.0, 3.0]), torch.tensor([3.0, 0.0]), torch.tensor([6.0, 6.0])]
+    t.sent = [[x] for x in xs]
+    t.mix_round({0: [1, 2], 1: [0], 2: [0]})  # worker 0 has two partners: every edge weighs 1/3
+    z = [m[0] for m in t.mixed]
+    assert torch.allclose(z[0], xs[0] + (xs[1] - xs[0]) / 3 + (xs[2] - xs[0]) / 3)
+    assert torch.allclose(z[1], xs[1] + (xs[0] - xs[1]) / 3)
+    assert torch.allclose(sum(z), sum(xs))
+    t.mix_round({1: [2], 2: [1]})  # a plain pair: the pair mean
+    assert torch.allclose(t.mixed[1][0], (xs[1] + xs[2]) / 2) and torch.allclose(t.mixed[2][0], t.mixed[1][0])
+
+
+@pytest.mark.timeout(60)
+def test_async_schedule_lets_fast_workers_do_more_rounds():
+    r = run(cfg(**{"schedule": "async", "outer.algorithm": "gossip", "clock.profile": "half-slow-compute-2x",
+                   "rounds": 3, "eval_every": 3}))
+    fast, slow = r["rounds_per_worker"][:2], r["rounds_per_worker"][2:]
+    assert min(fast) > max(slow) and sum(r["rounds_per_worker"]) >= 12
+    assert r["evals"][-1]["val_loss_mean"] < r["evals"][0]["val_loss_mean"]

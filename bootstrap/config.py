@@ -1,15 +1,14 @@
 """`gasloc bootstrap`'s configuration (resolved as defaults < TOML < GASLOC_* env < flags)."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gasloc.maddrs import check_announce_ports, check_maddrs
+from gasloc.protocol.messages import check_run_id
 
 DEFAULT_PORT = 31337
-_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class BootstrapConfig(BaseModel):
@@ -35,12 +34,7 @@ class BootstrapConfig(BaseModel):
     request_timeout_s: float = Field(10.0, gt=0, description="timeout of the DHT lookup that counts the peers")
     startup_timeout_s: float = Field(30.0, gt=0, description="how long p2pd and the DHT may take to start")
 
-    @field_validator("run_id")
-    @classmethod
-    def _run_id(cls, v: str) -> str:
-        if not _RUN_ID.match(v):
-            raise ValueError("run_id must be 1-64 letters, digits, '-' or '_'")
-        return v
+    _run_id = field_validator("run_id")(check_run_id)
 
     _maddrs = field_validator("host_maddrs", "announce_maddrs")(check_maddrs)
     _explicit_port = field_validator("announce_maddrs")(check_announce_ports)

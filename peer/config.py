@@ -6,7 +6,6 @@ whom it dials), swarm (membership, partner choice, joining), diloco (the all-red
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -20,8 +19,8 @@ from gasloc.peer.inner import InnerConfig
 from gasloc.peer.model import ModelConfig
 from gasloc.peer.outer import OuterConfig
 from gasloc.peer.state_transfer import StateTransferConfig
+from gasloc.protocol.messages import check_run_id
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class _Section(BaseModel):
@@ -80,12 +79,7 @@ class SwarmConfig(_Section):
     join_timeout_s: float = Field(120.0, gt=0, description="give up downloading the state after this long and "
                                   "start from a fresh model")
 
-    @field_validator("run_id")
-    @classmethod
-    def _run_id(cls, v: str) -> str:
-        if not _RUN_ID.match(v):
-            raise ValueError("run_id must be 1-64 letters, digits, '-' or '_'")
-        return v
+    _run_id = field_validator("run_id")(check_run_id)
 
     @model_validator(mode="after")
     def _backoff_order(self) -> "SwarmConfig":

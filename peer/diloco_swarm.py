@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,25 +26,16 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 
 from gasloc.peer.round_report import RoundExchange
-from gasloc.peer.safeproc import detach_and_die_with_parent, require_main_thread
+from gasloc.peer.safeproc import DiesWithParent
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 
 
-class SafeAverager(DecentralizedAverager):
+class SafeAverager(DiesWithParent, DecentralizedAverager):
     """A DecentralizedAverager whose process dies with the peer (peer/safeproc.py) and whose target group size can
     follow the swarm's size."""
-
-    def __init__(self, *args, **kwargs):
-        require_main_thread("SafeAverager")
-        self._creator_pid = os.getpid()
-        super().__init__(*args, **kwargs)
-
-    def run(self) -> None:
-        detach_and_die_with_parent(self._creator_pid)
-        super().run()
 
     async def _shutdown(self, timeout: float | None) -> None:
         try:

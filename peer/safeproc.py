@@ -54,14 +54,19 @@ def remove_own_shm() -> None:
             os.unlink(path)
 
 
-class SafeDHT(hivemind.DHT):
-    """hivemind.DHT whose background process is killed with the peer (see the module docstring)."""
+class DiesWithParent:
+    """Mixin for a hivemind `mp.Process` class (DHT, DecentralizedAverager): its forked process is killed with the
+    peer (see the module docstring). List it first: `class SafeX(DiesWithParent, hivemind.X)`."""
 
     def __init__(self, *args, **kwargs):
-        require_main_thread("SafeDHT")
+        require_main_thread(type(self).__name__)
         self._creator_pid = os.getpid()
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         detach_and_die_with_parent(self._creator_pid)
         super().run()
+
+
+class SafeDHT(DiesWithParent, hivemind.DHT):
+    """hivemind.DHT whose background process is killed with the peer."""

@@ -11,12 +11,22 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gasloc.protocol.codes import Code
+
+# A run id prefixes the run's DHT keys; peers and bootstrap nodes of one run must spell it the same.
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_run_id(v: str) -> str:
+    if not RUN_ID_PATTERN.match(v):
+        raise ValueError("run_id must be 1-64 letters, digits, '-' or '_'")
+    return v
 
 PROTOCOL_VERSION = 1
 

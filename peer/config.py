@@ -78,6 +78,9 @@ class SwarmConfig(_Section):
                                   "checkpoint) downloads the current parameters from a live peer")
     join_timeout_s: float = Field(120.0, gt=0, description="give up downloading the state after this long and "
                                   "start from a fresh model")
+    resync_after_rounds: float = Field(3.0, ge=0, description="a peer whose process was stopped (SIGSTOP, "
+                                       "suspend) for longer than announce_ttl_s and this many of its rounds "
+                                       "downloads the swarm's state instead of mixing its stale model; 0: never")
 
     _run_id = field_validator("run_id")(check_run_id)
 

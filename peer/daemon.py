@@ -20,10 +20,12 @@ import secrets
 import signal
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
 
+from gasloc.peer.absence import resync_due
 from gasloc.peer.config import PeerConfig
 from gasloc.peer.data import build_data, evaluate
 from gasloc.peer.inner import make_inner_optimizer, run_inner_phase
@@ -92,6 +94,7 @@ class Peer:
         self.averaging = None  # GossipAveraging | DilocoAveraging
         self._lock_file = None
         self._saved_round = 0
+        self._round_s: deque[float] = deque(maxlen=10)  # recent round durations: the yardstick for an absence
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -193,6 +196,11 @@ class Peer:
             return "checkpoint"
         if not self.cfg.swarm.join_from_peers or self.stopping.is_set():
             return None
+        return self._adopt_swarm_state()
+
+    def _adopt_swarm_state(self) -> str | None:
+        """Download a live peer's parameters, outer state and round count and take them over (the inner optimizer
+        and the data position stay ours); the donor's id, or None when no donor delivered."""
         got = self.net.download_state(self.params, self.outer)
         if got is None:
             return None
@@ -206,6 +214,33 @@ class Peer:
             self.outer.reset(self.params)
         self.round = int(metadata.get("round", 0))
         return donor
+
+    def _maybe_resync(self) -> bool:
+        """After a stop that outlived our DHT record (peer/absence.py), rejoin like a joiner: download the swarm's
+        state instead of mixing our stale model in. True when the state was replaced (the round's own work is
+        then dropped: it was computed on the stale model)."""
+        absent_s = self.net.absence.take()
+        swarm = self.cfg.swarm
+        if not swarm.join_from_peers or not resync_due(absent_s, ttl_s=swarm.announce_ttl_s,
+                                                       recent_round_s=self._round_s,
+                                                       after_rounds=swarm.resync_after_rounds):
+            return False
+        from_round = self.round
+        log.warning("resync: this process was stopped for %.1f s (longer than announce_ttl_s=%.0f and %.0f rounds); "
+                    "downloading the swarm's state", absent_s, swarm.announce_ttl_s, swarm.resync_after_rounds)
+        self._set_state("joining")
+        self.net.refresh_listing()
+        donor = self._adopt_swarm_state()
+        if donor is None:
+            log.warning("resync: no state downloaded; mixing our own model back in")
+            self._set_state("training")
+            return False
+        self.net.publish_state()
+        val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
+        self.sink.emit("resync", peer_id=self.peer_id, absent_s=absent_s, joined_from=donor, from_round=from_round,
+                       round=self.round, val_loss=val_loss)
+        log.info("resync: round %d -> %d from %s val_loss=%.4f", from_round, self.round, _short(donor), val_loss)
+        return True
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_cfg(self):
@@ -251,6 +286,8 @@ class Peer:
             return  # stopped before the first step: nothing to exchange or apply (momentum alone is no round)
         self.inner_steps_total += steps
         compute_s = time.monotonic() - t_start
+        if self._maybe_resync():
+            return
         self.throughput_tps = steps * cfg.data.batch_size * cfg.model.seq_len / max(compute_s, 1e-9)
 
         sent = self.outer.outgoing(self.params)
@@ -280,6 +317,7 @@ class Peer:
         if self.round % cfg.run.eval_every_rounds == 0 or self.round == 1:
             val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
         round_s = time.monotonic() - t_start
+        self._round_s.append(round_s)
         outcome = ex.outcome if ex.ok or ex.attempts else "solo"
         self.sink.emit(
             "round", peer_id=self.peer_id, round=self.round, inner_steps=steps,

@@ -12,6 +12,8 @@ Events (one JSON object per line, each with "event" and "time" = Unix seconds):
          the round's time split compute_s (inner steps) / wait_s (looking for a partner, failed attempts
          included) / transfer_s (the successful exchange) / outer_s (mix + outer update), round_s, tokens_per_s,
          peak_mem_mb (CUDA: max allocated; CPU: peak RSS), attempts, live_peers, detail
+  resync peer_id, absent_s (how long the process was stopped), joined_from (donor), from_round, round (the
+         donor's), val_loss (after the download): a peer back from a long stop took over the swarm's state
   stop   peer_id, round, reason (finished | SIGINT | SIGTERM | startup_failed)
 """
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.p2p import PeerID
 
+from gasloc.peer.absence import AbsenceWatch
 from gasloc.peer.aio import LoopThread
 from gasloc.peer.membership import Membership, PeerRecord, make_validators
 from gasloc.peer.safeproc import SafeDHT
@@ -47,6 +48,7 @@ class Network:
         self._tasks: list = []
         self.listed_at = 0.0
         self._snapshot = None
+        self.absence: AbsenceWatch | None = None  # set when the loop that ticks it starts
 
     # ------------------------------------------------------------------ startup (main thread)
     def start_dht(self) -> None:
@@ -96,7 +98,9 @@ class Network:
         self.live = self.aio.run(self.membership.live_peers(), timeout) or {}
         self.listed_at = time.monotonic()
         self._announce_wanted, self._list_wanted = self.aio.run(_make_events(), timeout)
-        self._tasks = [self.aio.submit(self._announcer()), self.aio.submit(self._lister())]
+        self.absence = AbsenceWatch()
+        self._tasks = [self.aio.submit(self._announcer()), self.aio.submit(self._lister()),
+                       self.aio.submit(self._watch())]
 
     def start_state_server(self) -> None:
         from gasloc.peer.state_transfer import StateServer
@@ -145,6 +149,20 @@ class Network:
             # an empty list here would make every partner a stranger to our Exchanger (NOT_MEMBER)
             self.live = found if found is not None else self.membership.prune(self.live)
             self.listed_at = time.monotonic()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.absence.TICK_S)
+            self.absence.tick()
+
+    def refresh_listing(self) -> None:
+        """A listing taken now, from the training thread (after a stop, the cached one predates it)."""
+        try:
+            found = self.aio.run(self.membership.live_peers(), self.membership.request_timeout_s + 1)
+        except TimeoutError:
+            return
+        if found is not None:
+            self.live, self.listed_at = found, time.monotonic()
 
     def ready_peers(self) -> dict[str, PeerRecord]:
         """Compatible peers that were ready to exchange at the last listing (at most LIST_PERIOD_S old)."""

@@ -17,6 +17,10 @@ EXCHANGE_TIMEOUT_S = 2.5  # [exchange] exchange_timeout_s in swarm_helpers.PEER_
 FRESH_LOSS = 5.0          # a fresh tiny model on bytes: ~5.2 nats (ln 256 = 5.55)
 
 
+def _resyncs(h, name):
+    return [r for r in h.metrics(name) if r.get("event") == "resync"]
+
+
 def _all_have(h, names, ok_rounds, partners, since=0.0):
     def check():
         for n in names:
@@ -65,8 +69,16 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
         assert ratio >= 0.8, (n, ratio, "raw steps/s before, during:", raw)
         late = [r for r in rs if r["time"] >= t_pause]
         assert all(r["exchange_s"] <= EXCHANGE_TIMEOUT_S + 0.5 for r in late), late
-    h.wait_until(_all_have(h, ["p3"], ok_rounds=1, partners=1, since=t_resume), 90,
-                 "p3 exchanging again after SIGCONT", alive=tuple(names))
+    # p3 was away longer than its record's TTL and ~8 of its rounds: it resyncs from a survivor instead of mixing
+    # its stale model in (mixed in, it sat at 1.5-2.1x its norm from its partners for several rounds)
+    h.wait_until(lambda: _resyncs(h, "p3"), 60, "p3's resync after SIGCONT", alive=tuple(names))
+    rs3 = _resyncs(h, "p3")[0]
+    assert rs3["joined_from"] in {ids[n] for n in survivors}, rs3
+    assert rs3["absent_s"] >= 15 and rs3["round"] > rs3["from_round"], rs3
+    h.wait_until(_all_have(h, ["p3"], ok_rounds=1, partners=1, since=rs3["time"]), 90,
+                 "p3 exchanging again after its resync", alive=tuple(names))
+    first = next(r for r in rounds(h, "p3") if r["time"] >= rs3["time"] and r["outcome"] == "ok")
+    assert first["consensus"] < 0.5, first  # back among the swarm, like a joiner
 
     # 3. a joiner downloads the swarm's current state instead of starting from scratch, then exchanges
     swarm_val = [val_losses(rounds(h, n))[-1] for n in survivors]

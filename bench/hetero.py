@@ -13,6 +13,7 @@ Runs, one after another, each with a fresh bootstrap and fresh peers for the sam
   gasloc      outer.algorithm=gasloc, uniform partner choice
   diloco      outer.algorithm=diloco: the exact mean over all live peers (hivemind DecentralizedAverager)
   gossip      (optional) outer.algorithm=gossip
+  gasloc-overlap  (optional) gasloc with outer.overlap=true: each exchange runs during the next round's inner steps
 
 The swarm's mean validation loss at time t is the mean over peers of each peer's latest val_loss at or before t
 (the start event's initial_loss counts as its first). The clock of a run starts when every peer has printed READY.
@@ -43,11 +44,12 @@ import netlab  # noqa: E402  (bench/ is a directory of scripts, not a package)
 from hetero_report import RunResult, analyse_run, format_report, pick_target  # noqa: E402
 
 TAG = "ghx"
-RUNS = {  # name -> (outer.algorithm, swarm.bandwidth_weighting; None: not applicable)
-    "gasloc-bw": ("gasloc", True),
-    "gasloc": ("gasloc", False),
-    "diloco": ("diloco", None),
-    "gossip": ("gossip", False),
+RUNS = {  # name -> (outer.algorithm, swarm.bandwidth_weighting (None: not applicable), outer.overlap)
+    "gasloc-bw": ("gasloc", True, False),
+    "gasloc": ("gasloc", False, False),
+    "diloco": ("diloco", None, False),
+    "gossip": ("gossip", False, False),
+    "gasloc-overlap": ("gasloc", False, True),
 }
 DEFAULT_RUNS = ("gasloc-bw", "gasloc", "diloco")
 
@@ -115,7 +117,8 @@ class Settings:
         return netlab.Node(f"p{i}", self.fast_mbit if i % 2 == 0 else self.slow_mbit)
 
 
-def _child_env(shard: tuple[int, int] | None = None, bandwidth_weighting: bool | None = None) -> dict[str, str]:
+def _child_env(shard: tuple[int, int] | None = None, bandwidth_weighting: bool | None = None,
+               overlap: bool = False) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GASLOC_")}
     # one thread per process: 7 processes (plus their DHT children) share the machine's cores
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GASLOC_LOG_LEVEL="INFO")
@@ -123,6 +126,8 @@ def _child_env(shard: tuple[int, int] | None = None, bandwidth_weighting: bool |
         env["GASLOC_DATA__SHARD_INDEX"], env["GASLOC_DATA__NUM_SHARDS"] = map(str, shard)
     if bandwidth_weighting is not None:
         env["GASLOC_SWARM__BANDWIDTH_WEIGHTING"] = "true" if bandwidth_weighting else "false"
+    if overlap:
+        env["GASLOC_OUTER__OVERLAP"] = "true"
     return env
 
 
@@ -130,7 +135,7 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
     """One swarm: bootstrap + peers for s.duration_s after all are READY; returns its metrics, analysed."""
     from gasloc.procs import gasloc_argv
 
-    algorithm, bw = RUNS[name]
+    algorithm, bw, overlap = RUNS[name]
     run_dir = out / name
     run_id = f"hetero-{name}-{os.getpid()}"
     names = [f"{name}/boot"] + [f"{name}/p{i}" for i in range(s.peers)]
@@ -147,7 +152,7 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
                                "--run-dir", str(run_dir / node), "--host-maddrs", f"/ip4/{star.ip(node)}/tcp/0",
                                "--initial-peers", boot_maddr, "--no-checkpoint")
             peers.append(sup.start(names[i + 1], star.exec_argv(node, argv), run_dir / f"{node}.log",
-                                   env=_child_env((i, s.peers), bw)))
+                                   env=_child_env((i, s.peers), bw, overlap)))
         for p in peers:
             sup.wait_ready(p, s.ready_timeout_s)
         t0 = time.time()

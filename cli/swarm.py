@@ -58,6 +58,12 @@ def peer_env(i: int, n: int) -> dict[str, str]:
     return env
 
 
+def bootstrap_env() -> dict[str, str]:
+    """The caller's GASLOC_* variables (and GASLOC_CONFIG) are meant for the peers: a bootstrap would reject them.
+    Only the log level passes."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("GASLOC_") or k == "GASLOC_LOG_LEVEL"}
+
+
 def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
     from rich.console import Console
     from rich.live import Live
@@ -98,7 +104,7 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
         boot = sup.start("bootstrap", gasloc_argv(
             "bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(run_dir / "bootstrap.key"),
             "--maddrs-file", str(run_dir / "bootstrap.maddrs"), "--run-id", cfg.run_id, "--log-interval-s", "10"),
-            run_dir / "bootstrap.log")
+            run_dir / "bootstrap.log", env=bootstrap_env())
         if sup.wait_ready(boot, 60, cancel=stop) is None:
             return 130
         console.print(f"bootstrap {boot.peer_id} at {boot.maddrs[0]}")

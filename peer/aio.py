@@ -48,7 +48,10 @@ class LoopThread:
         Time while this process was frozen (SIGSTOP, a suspended laptop) does not count: the wait advances in
         steps of at most POLL_S * 2, so after a resume the coroutine's own deadlines decide, not this safety net.
         """
-        fut = self.submit(coro)
+        return self.wait(self.submit(coro), timeout)
+
+    def wait(self, fut: concurrent.futures.Future[T], timeout: float | None = None) -> T:
+        """Wait for a submitted coroutine's result, as `run()` does (same timeout and frozen-time rules)."""
         waited = 0.0
         while True:
             t = time.monotonic()

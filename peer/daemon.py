@@ -95,6 +95,7 @@ class Peer:
         self._lock_file = None
         self._saved_round = 0
         self._round_s: deque[float] = deque(maxlen=10)  # recent round durations: the yardstick for an absence
+        self._pending = None  # outer.overlap: (sent, the background exchange, evaluate?) of the previous round
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -279,49 +280,49 @@ class Peer:
     def _one_round(self) -> None:
         cfg = self.cfg
         t_start = time.monotonic()
-        self._set_state("training")
+        if self._pending is None:  # overlap: the previous round's partner search goes on, in state "exchanging"
+            self._set_state("training")
+        late: list[tuple[RoundExchange, float | None, float | None]] = []
+
+        def arrived() -> None:  # overlap: add the previous round's mix right after the step during which it came
+            if not late and self._pending is not None and self._pending[1].done():
+                late.append(self._settle_pending())
         steps, loss = run_inner_phase(self.model, self.opt, self.data.next_batch, self.inner_steps_total, cfg.inner,
-                                      self.device, autocast_for(self.device), should_stop=self.stopping.is_set)
+                                      self.device, autocast_for(self.device), should_stop=self.stopping.is_set,
+                                      after_step=arrived)
         if steps == 0:
             return  # stopped before the first step: nothing to exchange or apply (momentum alone is no round)
         self.inner_steps_total += steps
         compute_s = time.monotonic() - t_start
+        self.throughput_tps = steps * cfg.data.batch_size * cfg.model.seq_len / max(compute_s, 1e-9)
+        if cfg.outer.overlap:  # the previous round's exchange (and evaluation): not arrived yet, wait for it now
+            ex, consensus, val_loss = late[0] if late else self._settle_pending()
         if self._maybe_resync():
             return
-        self.throughput_tps = steps * cfg.data.batch_size * cfg.model.seq_len / max(compute_s, 1e-9)
+        eval_due = (self.round + 1) % cfg.run.eval_every_rounds == 0 or self.round == 0
 
         sent = self.outer.outgoing(self.params)
-        if self.stopping.is_set():
-            ex = RoundExchange(outcome="solo", detail="stopping")
+        if cfg.outer.overlap:
+            t_outer = time.monotonic()
+            self.outer.apply(self.params, sent)  # as if solo: the mix arrives during the next inner phase
+            outer_s = time.monotonic() - t_outer
+            if not self.stopping.is_set():
+                self._pending = sent, self.averaging.begin([t.detach().to("cpu") for t in sent], self.round,
+                                                           window_s=compute_s), eval_due
         else:
-            ex = self.averaging.average([t.detach().to("cpu") for t in sent], self.round, self.live_count)
-        if ex.ok and ex.bytes_received and ex.exchange_s > 0:
-            # per-direction bytes/s of the last good exchange, smoothed: what partners weigh us by
-            bw = ex.bytes_received / ex.exchange_s
-            self.bandwidth_bps = bw if self.bandwidth_bps == 0 else 0.7 * self.bandwidth_bps + 0.3 * bw
-
-        t_outer = time.monotonic()
-        consensus = None
-        if ex.ok:
-            received = [t.to(self.device) for t in ex.received]
-            consensus = relative_distance(sent, received)
-            mixed = mix(sent, [received], cfg.outer.mix_weight) if ex.kind == "pair" else received
-        else:
-            mixed = sent  # solo round: mix is the identity, the outer momentum still applies
-        self.outer.apply(self.params, mixed)
-        outer_s = time.monotonic() - t_outer
+            ex, consensus, outer_s = self._exchange_and_apply(sent)
         self.round += 1
         self.net.publish_state()
 
-        val_loss = None
-        if self.round % cfg.run.eval_every_rounds == 0 or self.round == 1:
-            val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
+        if not cfg.outer.overlap:  # (overlap: the previous round's, evaluated once its mix was in)
+            val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device)) if eval_due else None
         round_s = time.monotonic() - t_start
         self._round_s.append(round_s)
         outcome = ex.outcome if ex.ok or ex.attempts else "solo"
         self.sink.emit(
             "round", peer_id=self.peer_id, round=self.round, inner_steps=steps,
-            total_inner_steps=self.inner_steps_total, loss=loss, val_loss=val_loss, outcome=outcome, partner=ex.partner, group_size=ex.group_size,
+            total_inner_steps=self.inner_steps_total, loss=loss, val_loss=val_loss, outcome=outcome,
+            partner=ex.partner, group_size=ex.group_size,
             bytes_sent=ex.bytes_sent, bytes_received=ex.bytes_received, exchange_s=ex.exchange_s,
             consensus=consensus, compute_s=compute_s, wait_s=ex.wait_s, transfer_s=ex.transfer_s, outer_s=outer_s,
             round_s=round_s, tokens_per_s=self.throughput_tps, peak_mem_mb=peak_memory_mb(self.device),
@@ -331,6 +332,61 @@ class Peer:
                  (ex.bytes_sent + ex.bytes_received) / 1e6, round_s, ex.exchange_s)
         if cfg.checkpoint is not None and self.round % cfg.checkpoint.every_rounds == 0:
             self._save_checkpoint()
+
+    def _exchange_and_apply(self, sent: list[torch.Tensor]) -> tuple[RoundExchange, float | None, float]:
+        """A plain round's communication and outer step: (the exchange, consensus, seconds of the outer step)."""
+        if self.stopping.is_set():
+            ex = RoundExchange(outcome="solo", detail="stopping")
+        else:
+            ex = self.averaging.average([t.detach().to("cpu") for t in sent], self.round, self.live_count)
+        self._note_bandwidth(ex)
+        t_outer = time.monotonic()
+        consensus = None
+        if ex.ok:
+            received = [t.to(self.device) for t in ex.received]
+            consensus = relative_distance(sent, received)
+            mixed = mix(sent, [received], self.cfg.outer.mix_weight) if ex.kind == "pair" else received
+        else:
+            mixed = sent  # solo round: mix is the identity, the outer momentum still applies
+        self.outer.apply(self.params, mixed)
+        return ex, consensus, time.monotonic() - t_outer
+
+    def _note_bandwidth(self, ex: RoundExchange) -> None:
+        if ex.ok and ex.bytes_received and ex.exchange_s > 0:
+            # per-direction bytes/s of the last good exchange, smoothed: what partners weigh us by
+            bw = ex.bytes_received / ex.exchange_s
+            self.bandwidth_bps = bw if self.bandwidth_bps == 0 else 0.7 * self.bandwidth_bps + 0.3 * bw
+
+    def _settle_pending(self, evaluate_due: bool = True) -> tuple[RoundExchange, float | None, float | None]:
+        """Overlap: end the previous round's background exchange (waiting, within its deadline, for one still
+        running) and add its mix late (outer.late_mix); (its report, consensus, val loss). No exchange pending: a
+        solo round.
+
+        The val loss, when that round was due an evaluation, is of its model with the mix in: the outer anchor, the
+        point a plain round evaluates. (Evaluated at round end, the model would lack the mix still in flight.)"""
+        if self._pending is None:
+            return RoundExchange(outcome="solo"), None, None
+        (sent, pending, eval_due), self._pending = self._pending, None
+        t = time.monotonic()
+        ex = self.averaging.settle(pending)
+        ex.wait_s, ex.overlapped = time.monotonic() - t, True
+        self._note_bandwidth(ex)
+        consensus = None
+        if ex.ok:
+            received = [r.to(self.device) for r in ex.received]
+            self.outer.late_mix(self.params, sent, mix(sent, [received], self.cfg.outer.mix_weight))
+            consensus = relative_distance(sent, received)
+        return ex, consensus, self._evaluate_at(self.outer.anchor) if eval_due and evaluate_due else None
+
+    @torch.no_grad()
+    def _evaluate_at(self, point: list[torch.Tensor]) -> float:
+        """Validation loss of the model with `point` as its parameters (a transient copy of the current ones)."""
+        saved = [p.detach().clone() for p in self.params]
+        torch._foreach_copy_(self.params, point)
+        try:
+            return evaluate(self.model, self.val_batches, autocast_for(self.device))
+        finally:
+            torch._foreach_copy_(self.params, saved)
 
     # ------------------------------------------------------------------ state shared with the network side
     def live_count(self) -> int:
@@ -355,6 +411,8 @@ class Peer:
         # in flight ends within its deadline), then the network and the DHT child.
         if self.net is not None:
             _step("withdraw", self.net.withdraw)
+        if self._pending is not None:  # overlap: the last round's mix belongs in the checkpoint
+            _step("settle the last exchange", lambda: self._settle_pending(evaluate_due=False))
         # every round ends with outer.apply, so the state here is at a round boundary: safe to checkpoint
         # (self.averaging is set once the model, optimizer and outer state exist)
         if self.averaging is not None and self.cfg.checkpoint is not None and self.round > self._saved_round:

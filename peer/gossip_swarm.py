@@ -12,15 +12,24 @@ One round, as this peer sees it:
 No partner by the deadline, or no other live peer at all, is a solo round. An exchange already running when the
 deadline (or a shutdown request) comes is allowed to finish within its own deadline (exchange.exchange_timeout_s).
 
+With outer.overlap the same search runs in the background (`begin`) while the next round's inner steps run, and
+ends at the later of partner_deadline_s and the end of those steps (`settle`): a partner that becomes ready any
+time during our next round can still pair with us, and we never give up sooner than a plain round would (measured:
+ending at the inner steps alone left fast peers of the hetero bench solo in most rounds, and with outer momentum
+0.9 they diverged).
+
 The listing of who is ready comes from the background lister (peer/network.py): the search never waits on the DHT.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import PeerID
@@ -32,6 +41,17 @@ from gasloc.peer.round_report import RoundExchange
 log = logging.getLogger(__name__)
 
 LISTING_MAX_AGE_S = 0.3  # while looking for a partner, ask for a listing at most this stale (in the background)
+
+
+@dataclass
+class Background:
+    """Overlap: a partner search and exchange running on the event loop while the training thread trains."""
+    cut: threading.Event           # set: stop searching (an exchange in flight still finishes)
+    future: concurrent.futures.Future
+
+    def done(self) -> bool:
+        """The search is over (an exchange completed, or it gave up): settling it will not wait."""
+        return self.future.done()
 
 
 class GossipAveraging:
@@ -57,10 +77,31 @@ class GossipAveraging:
             log.error("round=%d partner search overran its %.0f s limit; solo round", round, limit)
             return RoundExchange(outcome="failed", detail="partner search overran its limit")
 
-    async def _average(self, sent: list[torch.Tensor], round: int) -> RoundExchange:
+    def begin(self, sent: list[torch.Tensor], round: int, window_s: float) -> Background:
+        """Overlap: start this round's partner search and exchange in the background; `window_s` is how long the
+        next inner phase is expected to take (the search's horizon). Pass the result to `settle`."""
+        cut = threading.Event()
+        return Background(cut, self.net.aio.submit(self._average(sent, round, cut=cut, window_s=window_s)))
+
+    def settle(self, pending: Background) -> RoundExchange:
+        """Overlap: end the background search once partner_deadline_s since `begin` has passed (an exchange in
+        flight finishes within its deadline) and return what it got; at once when `pending.done()`."""
+        pending.cut.set()
+        limit = self.cfg.swarm.partner_deadline_s + self.cfg.exchange.exchange_timeout_s + 10
+        try:
+            return self.net.aio.wait(pending.future, limit)
+        except TimeoutError:  # as in average(): every await inside has its own deadline
+            log.error("a background partner search overran its %.0f s limit after its cut; solo round", limit)
+            return RoundExchange(outcome="failed", detail="partner search overran its limit")
+
+    async def _average(self, sent: list[torch.Tensor], round: int, cut: threading.Event | None = None,
+                       window_s: float | None = None) -> RoundExchange:
         ex, sw = self.exchanger, self.cfg.swarm
         t0 = time.monotonic()
+        # overlap: search until the cut (the end of our next inner phase), and at least partner_deadline_s;
+        # avoid recent partners for the first half of that
         deadline = t0 + sw.partner_deadline_s
+        window_s = sw.partner_deadline_s if cut is None else max(window_s, sw.partner_deadline_s)
         report = RoundExchange()
         ex.offer(sent, round)
         self.set_state("exchanging")  # offer first: whoever sees the announcement may call us at once
@@ -69,7 +110,7 @@ class GossipAveraging:
                 if self._take(await ex.wait_incoming(0), report):
                     break
                 now = time.monotonic()
-                if now >= deadline or self.stopping.is_set():
+                if (now >= deadline and (cut is None or cut.is_set())) or self.stopping.is_set():
                     if (ex.engaged or "").startswith("responder"):
                         # a partner is mid-exchange with us: let it finish (bounded by its own deadline) rather
                         # than cut it off - the bytes are already moving and both sides would lose the round
@@ -81,11 +122,14 @@ class GossipAveraging:
                 ready = self.net.ready_peers()
                 self.backoff.forget_absent(self.net.live)
                 others = [p for p in self.net.live if not self.backoff.blocked(p, now)]
-                avoid = peers_to_avoid(self.recent, others, now - t0, sw.partner_deadline_s)
+                avoid = peers_to_avoid(self.recent, others, now - t0, window_s)
                 partner = pick_partner({p: r.bandwidth_bps for p, r in ready.items()}, self.backoff, now, self.rng,
                                        weighted=sw.bandwidth_weighting, avoid=avoid)
                 if partner is None:
-                    pause = min(sw.retry_interval_s, max(deadline - time.monotonic(), 0.0))
+                    left = deadline - time.monotonic()
+                    # overlap past the deadline: search on, at the retry pace, until our inner steps end
+                    pause = sw.retry_interval_s if cut is not None and left <= 0 else min(sw.retry_interval_s,
+                                                                                           max(left, 0.0))
                     if self._take(await ex.wait_incoming(pause), report):
                         break
                     continue
@@ -106,6 +150,8 @@ class GossipAveraging:
             for res in await ex.withdraw():
                 if res.ok and not report.ok:
                     self._take(res, report)
+            if cut is not None:
+                self.set_state("training")  # the search is over; our inner steps are running
         report.wait_s = time.monotonic() - t0 - report.transfer_s
         return report
 

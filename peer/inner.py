@@ -65,10 +65,12 @@ def steps_this_round(cfg: InnerConfig, seconds_per_step: float) -> int:
 def run_inner_phase(model: LlamaLM, opt: torch.optim.Optimizer, next_batch: Callable[[], torch.Tensor],
                     start_step: int, cfg: InnerConfig, device: torch.device | str = "cpu",
                     autocast: contextlib.AbstractContextManager | None = None,
-                    should_stop: Callable[[], bool] = lambda: False) -> tuple[int, float]:
+                    should_stop: Callable[[], bool] = lambda: False,
+                    after_step: Callable[[], None] = lambda: None) -> tuple[int, float]:
     """One round's local phase in real time (the live peer): H steps, or until the time budget is spent.
 
-    Returns (steps done, mean training loss). `should_stop` lets a shutdown request end the phase early.
+    Returns (steps done, mean training loss). `should_stop` lets a shutdown request end the phase early;
+    `after_step` runs between steps (overlap: adds a mix that has just arrived).
     """
     t0, losses = time.monotonic(), []
     while not should_stop():
@@ -77,4 +79,5 @@ def run_inner_phase(model: LlamaLM, opt: torch.optim.Optimizer, next_batch: Call
             break
         batch = next_batch().to(device, non_blocking=True)
         losses.append(inner_step(model, opt, batch, start_step + done, cfg, autocast))
+        after_step()
     return len(losses), (sum(losses) / len(losses) if losses else float("nan"))

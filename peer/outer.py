@@ -8,6 +8,9 @@ Every algorithm has the same two-step shape, so the simulator and the live peer 
     mixed = mix(sent, [partner_sent...])   # protocol.averaging; a solo round passes `sent` itself
     outer.apply(params, mixed)             # writes the new theta into params and sets the next anchor
 
+With overlap (GASLoC only) a round calls `apply(params, sent)` at once and `late_mix(params, sent, mixed)` when the
+mix lands during the next inner phase.
+
 Failure semantics: `apply` is the only call that changes params or state, and it is all-or-nothing on tensors
 already in memory. A failed exchange is a solo round (`apply(params, sent)`), never a partial mix.
 The inner optimizer (AdamW) and its state are not touched here: they stay local to the worker across rounds.
@@ -44,12 +47,19 @@ class OuterConfig(BaseModel):
                                    "0.9 (noloco 0.5, gossip 0)")
     mix_weight: float | None = Field(None, gt=0, le=1, description="weight w per partner in z = x - sum w (x - "
                                      "x_j); default: the uniform mean of the group (1/2 with one partner)")
+    overlap: bool = Field(False, description="one-round-delayed mixing (gasloc, gossip): each round applies its "
+                          "outer step at once as if solo and adds the partner's contribution when the exchange "
+                          "lands, so the exchange runs during the next round's inner steps; more tokens/s, some "
+                          "loss per token (docs/sim-results.md)")
 
     @model_validator(mode="after")
     def _gossip_is_fixed(self) -> "OuterConfig":
         if self.algorithm == "gossip" and (self.outer_lr not in (None, 1.0) or self.momentum not in (None, 0.0)):
             raise ValueError("algorithm 'gossip' is GASLoC with outer_lr=1 and momentum=0; use 'gasloc' to set "
                              "other values")
+        if self.overlap and self.algorithm not in ("gasloc", "gossip"):
+            raise ValueError(f"overlap (one-round-delayed mixing) is defined for gasloc and gossip, not "
+                             f"{self.algorithm!r}; remove outer.overlap or change the algorithm")
         return self
 
     @property
@@ -177,6 +187,28 @@ class GASLoC(OuterUpdate):
             self.z_prev = z
         del self._y_sent
         self._finish(params, new)
+
+    @torch.no_grad()
+    def late_mix(self, params: Sequence[torch.Tensor], sent: Sequence[torch.Tensor],
+                 mixed: Sequence[torch.Tensor]) -> None:
+        """Overlap: the round that sent `sent` was applied as solo (`apply(params, sent)`); its mix `mixed` arrived
+        during the next inner phase. Shift params and the anchor by what `apply(params, mixed)` would have changed
+        in theta - linear in mixed: (1 + gamma)(mixed - sent) in form C, (mixed - sent) in A and B - and correct the
+        momentum state (form C: z_prev is the mix). For an inner phase that does not depend on where it starts,
+        this equals the undelayed update exactly; call it before this round's outgoing()."""
+        shift = self.late_shift(sent, mixed)
+        if self.cfg.form == "C":
+            torch._foreach_add_(self.z_prev, torch._foreach_sub(list(mixed), list(sent)))
+        torch._foreach_add_(list(params), shift)
+        torch._foreach_add_(self.anchor, shift)
+
+    @torch.no_grad()
+    def late_shift(self, sent: Sequence[torch.Tensor], mixed: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What late_mix adds to theta (and to the anchor)."""
+        d = torch._foreach_sub(list(mixed), list(sent))
+        if self.cfg.form == "C":
+            torch._foreach_mul_(d, 1 + self.gamma)
+        return d
 
 
 class DiLoCo(OuterUpdate):

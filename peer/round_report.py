@@ -29,6 +29,7 @@ class RoundExchange:
     wait_s: float = 0.0          # looking for a partner: from ready until the reported attempt started
     attempts: int = 0
     detail: str = ""
+    overlapped: bool = False     # outer.overlap: it ran during the next round's inner steps (no transfer time)
 
     @property
     def ok(self) -> bool:
@@ -36,7 +37,7 @@ class RoundExchange:
 
     @property
     def transfer_s(self) -> float:
-        return self.exchange_s if self.ok else 0.0
+        return self.exchange_s if self.ok and not self.overlapped else 0.0
 
 
 @torch.no_grad()

@@ -79,6 +79,8 @@ def _opt(*names, **kw):
 @_opt("--num-partners", type=click.IntRange(1, 2), help="Partners per round. [default: 1]")
 @click.option("--bandwidth-weighted/--no-bandwidth-weighted", default=None,
               help="Favour pairs on fast links. [default: off]")
+@click.option("--overlap/--no-overlap", default=None,
+              help="One-round-delayed mixing: the exchange runs during the next round's inner steps. [default: off]")
 @_opt("--inner-lr", type=float, help="AdamW lr. [default: 1e-3]")
 @_opt("--warmup-steps", type=int, help="Inner lr warm-up steps. [default: 50]")
 @_opt("--batch-size", type=int, help="Sequences per inner step. [default: 4]")
@@ -107,7 +109,8 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
 
     keys = {"algorithm": "outer.algorithm", "form": "outer.form", "inner_steps": "inner.inner_steps",
             "bandwidth_profile": "clock.profile", "preset": "model.preset", "outer_lr": "outer.outer_lr",
-            "momentum": "outer.momentum", "mix_weight": "outer.mix_weight", "inner_lr": "inner.lr",
+            "momentum": "outer.momentum", "mix_weight": "outer.mix_weight", "overlap": "outer.overlap",
+            "inner_lr": "inner.lr",
             "warmup_steps": "inner.warmup_steps", "batch_size": "data.batch_size", "seq_len": "model.seq_len",
             "time_budget_s": "inner.time_budget_s", "val_batches": "data.val_batches",
             "seconds_per_step": "clock.seconds_per_step", "bandwidth_mbps": "clock.bandwidth_mbps",
@@ -142,8 +145,9 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
 
 
 @sim.command()
-@click.option("--suite", type=click.Choice(("paper", "smoke")), default="paper", show_default=True,
-              help="paper: the issue's claims at 8 workers (~10 min on 2 cores); smoke: a seconds-long check.")
+@click.option("--suite", type=click.Choice(("paper", "smoke", "overlap", "overlap-smoke")), default="paper",
+              show_default=True, help="paper: the paper's claims at 8 workers (~10 min on 2 cores); overlap: "
+              "delayed mixing against plain mixing (~5 min); *-smoke: a seconds-long check of the same.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every run here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of validation loss against simulated time.")

@@ -70,6 +70,9 @@ class SimConfig(BaseModel):
                              "i of K); remove them")
         if self.outer.communicates and self.workers < 2:
             raise ValueError(f"algorithm {self.outer.algorithm!r} needs at least 2 workers")
+        if self.outer.overlap and self.schedule != "lockstep":
+            raise ValueError("outer.overlap is simulated on the lockstep schedule only; use --schedule lockstep or "
+                             "drop --overlap")
         most = self.workers - 1 if self.topology == "complete" else self.num_partners
         if self.outer.mix_weight is not None and self.outer.mix_weight * most > 1:
             raise ValueError(f"outer.mix_weight {self.outer.mix_weight} times {most} partner(s) exceeds 1, so the "

@@ -52,6 +52,9 @@ class Trainer(Protocol):
     def apply(self, i: int) -> None:
         """Apply worker i's outer update with its mixed tensors."""
 
+    def arrive(self, i: int) -> None:
+        """Overlap (lockstep only): worker i's previous mix arrived; add it now, between two inner steps."""
+
 
 @dataclass
 class WorkerState:

@@ -9,6 +9,11 @@ for every algorithm) pairs workers:
     all-reduce:    (DiLoCo, or the complete topology) starts at max_i c_i and costs the ring all-reduce over the
                    slowest link; every clock ends at the same time.
 
+With overlap (one-round-delayed mixing) a worker starts round r+1 as soon as it has sent round r's message: the
+exchange starts when both partners are ready and runs during their next inner steps, and its mix is added after
+the inner step during which it arrived (Trainer.arrive); a worker waits only if it finishes those steps before the
+exchange ends (it needs the mix before sending again).
+
 A round's results are those of the last worker to finish it, so an evaluation after round r is stamped with
 max_i c_i. Compare sim/engine.py, where workers do not share a round counter at all.
 """
@@ -28,7 +33,7 @@ class LockstepEngine:
 
     def __init__(self, links: Sequence[Link], topology: Topology, *, barrier: bool, communicates: bool,
                  steps_for: Callable[[int], int], wire_bytes: Callable[[int], float], rng: random.Random,
-                 num_partners: int = 1, weights: Mapping[Edge, float] | None = None):
+                 num_partners: int = 1, weights: Mapping[Edge, float] | None = None, overlap: bool = False):
         self.links, self.topology = list(links), topology
         self.k = len(self.links)
         self.barrier, self.communicates = barrier, communicates
@@ -36,6 +41,8 @@ class LockstepEngine:
         self.num_partners, self.weights = num_partners, weights
         self.workers = [WorkerState() for _ in range(self.k)]
         self.clocks = [0.0] * self.k
+        self.overlap = overlap
+        self.exchange_end = [0.0] * self.k  # overlap: when the worker's last exchange ends
         self.now = 0.0
 
     @property
@@ -51,9 +58,19 @@ class LockstepEngine:
         while self.now <= horizon_s:
             for i, w in enumerate(self.workers):
                 steps = self.steps_for(i)
-                trainer.inner(i, steps)
+                spt = self.links[i].seconds_per_step
+                if self.overlap:  # the previous mix is added after the inner step during which it arrived
+                    before = min(steps, max(0, math.ceil((self.exchange_end[i] - self.clocks[i]) / spt - 1e-9)))
+                    trainer.inner(i, before)
+                    trainer.arrive(i)
+                    trainer.inner(i, steps - before)
+                else:
+                    trainer.inner(i, steps)
                 w.steps += steps
-                self.clocks[i] += steps * self.links[i].seconds_per_step
+                self.clocks[i] += steps * spt
+                if self.clocks[i] < self.exchange_end[i]:  # overlap: the previous mix is not here yet
+                    w.idle_s += self.exchange_end[i] - self.clocks[i]
+                    self.clocks[i] = self.exchange_end[i]
                 w.message_bytes = self.wire_bytes(trainer.send(i))
             if not self.communicates:
                 trainer.mix_round({i: [] for i in range(self.k)})
@@ -73,9 +90,12 @@ class LockstepEngine:
         end = start + allreduce_seconds(nbytes, self.links)
         trainer.allreduce(list(range(self.k)))
         for i, w in enumerate(self.workers):
-            w.idle_s += start - self.clocks[i]
             w.bytes_sent += 2 * (self.k - 1) / self.k * nbytes
-            self.clocks[i] = end
+            if self.overlap:
+                self.exchange_end[i] = end
+            else:
+                w.idle_s += start - self.clocks[i]
+                self.clocks[i] = end
 
     def _pairs(self, trainer: Trainer) -> None:
         partners = round_partners(self.topology, self.k, self.rng, num_partners=self.num_partners,
@@ -84,9 +104,15 @@ class LockstepEngine:
         for i, j in sorted({(min(i, j), max(i, j)) for i in range(self.k) for j in partners[i]}):
             wi, wj = self.workers[i], self.workers[j]
             start = max(self.clocks[i], self.clocks[j])  # both ready
-            wi.idle_s += start - self.clocks[i]
-            wj.idle_s += start - self.clocks[j]
+            if self.overlap:  # a worker's exchanges of one round (two partners) still run one after the other
+                start = max(start, self.exchange_end[i], self.exchange_end[j])
             wi.bytes_sent += wi.message_bytes
             wj.bytes_sent += wj.message_bytes
-            self.clocks[i] = self.clocks[j] = start + pair_seconds(max(wi.message_bytes, wj.message_bytes),
-                                                                   self.links[i], self.links[j])
+            end = start + pair_seconds(max(wi.message_bytes, wj.message_bytes), self.links[i], self.links[j])
+            if self.overlap:  # nobody waits now: the exchange runs during both workers' next inner steps
+                self.exchange_end[i] = max(self.exchange_end[i], end)
+                self.exchange_end[j] = max(self.exchange_end[j], end)
+            else:
+                wi.idle_s += start - self.clocks[i]
+                wj.idle_s += start - self.clocks[j]
+                self.clocks[i] = self.clocks[j] = end

@@ -45,12 +45,21 @@ PANELS = [("a-ring", "(a) H=1, ring"), ("a-random", "(a) H=1, random"), ("b", "(
           ("c", "(c) half the links 10x slower")]
 
 
+OVERLAP_PANELS = [("uniform", "uniform 1 Gbit links"), ("half-slow-10x", "half the links 10x slower")]
+
+
 def plot_suite(report: dict, path: str) -> None:
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), layout="constrained")
+    overlap = report["suite"].startswith("overlap")
+    panels = OVERLAP_PANELS if overlap else PANELS
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained") if overlap else \
+        plt.subplots(2, 2, figsize=(12, 8.5), layout="constrained")
+    # a panel's verdict: its claim's, or for the overlap suite both of its claims (loss and speed)
     verdict = {c["claim"]: "PASS" if c["passed"] else "FAIL" for c in report["claims"]}
+    for claim, _ in OVERLAP_PANELS if overlap else []:
+        verdict[claim] = f"loss {verdict.get('loss-' + claim, '?')}, speed {verdict.get('speed-' + claim, '?')}"
     runs = report["runs"]
-    for ax, (claim, title) in zip(axes.flat, PANELS):
+    for ax, (claim, title) in zip(axes.flat, panels):
         mine = {n: r for n, r in runs.items() if n.startswith(claim + "-")}
         for name, r in mine.items():
             _curve(ax, r, name.removeprefix(claim + "-"))

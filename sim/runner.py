@@ -50,6 +50,8 @@ class SimTrainer:
         self.sent: list[list[torch.Tensor] | None] = [None] * k
         self.mixed: list[list[torch.Tensor] | None] = [None] * k
         self.weight = cfg.outer.mix_weight
+        self.overlap = cfg.outer.overlap
+        self.late: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None] = [None] * k  # overlap: (sent, mixed)
 
     @property
     def num_params(self) -> int:
@@ -61,7 +63,13 @@ class SimTrainer:
             inner_step(self.models[i], self.opts[i], self.data[i].next_batch(), self.steps[i], self.cfg.inner)
             self.steps[i] += 1
 
+    def arrive(self, i: int) -> None:
+        if self.late[i] is not None:  # overlap: the previous round's mix, added where it arrived
+            self.outers[i].late_mix(self.params[i], *self.late[i])
+            self.late[i] = None
+
     def send(self, i: int) -> int:
+        self.arrive(i)  # a mix that has not arrived yet is waited for (the engine's clock charges the wait)
         self.sent[i] = self.outers[i].outgoing(self.params[i])
         return sum(t.numel() for t in self.sent[i])
 
@@ -95,12 +103,29 @@ class SimTrainer:
                 self.mixed[i] = mix(self.sent[i], [self.sent[j] for j in workers if j != i], self.weight)
 
     def apply(self, i: int) -> None:
-        self.outers[i].apply(self.params[i], self.mixed[i])
+        if self.overlap:  # solo now; the mix is added after the next inner phase (send)
+            self.outers[i].apply(self.params[i], self.sent[i])
+            if self.mixed[i] is not self.sent[i]:
+                self.late[i] = (self.sent[i], self.mixed[i])
+        else:
+            self.outers[i].apply(self.params[i], self.mixed[i])
         self.sent[i] = self.mixed[i] = None
 
     # ---- measurement
     @torch.no_grad()
     def evaluate(self) -> dict:
+        """Overlap: each worker is read with its in-flight mix added (the model it checkpoints at shutdown), not at
+        the provisional point it trains from meanwhile."""
+        saved = {i: [p.clone() for p in self.params[i]] for i, late in enumerate(self.late) if late is not None}
+        for i in saved:
+            torch._foreach_add_(self.params[i], self.outers[i].late_shift(*self.late[i]))
+        try:
+            return self._evaluate()
+        finally:
+            for i, copy in saved.items():
+                torch._foreach_copy_(self.params[i], copy)
+
+    def _evaluate(self) -> dict:
         losses = [evaluate(m, self.val) for m in self.models]
         mean = exact_mean(self.params)
         for dst, src in zip(self.eval_model.parameters(), mean):
@@ -144,7 +169,7 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
                   rng=random.Random(cfg.seed), num_partners=cfg.num_partners, weights=weights)
     engine: LockstepEngine | AsyncEngine
     if cfg.schedule == "lockstep":
-        engine = LockstepEngine(links, cfg.topology, **common)
+        engine = LockstepEngine(links, cfg.topology, overlap=cfg.outer.overlap, **common)
     else:
         engine = AsyncEngine(links, edges, match_timeout_s=cfg.clock.match_timeout_s, **common)
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len

@@ -79,9 +79,18 @@ def claim_within(tol: float) -> Callable[[Results], tuple[bool, str]]:
     return check
 
 
-def time_to_reach(r: Result, loss: float) -> float | None:
-    """Virtual time of the first evaluation at or below `loss` (None: never)."""
-    return next((e["sim_time_s"] for e in r["evals"] if e["val_loss_mean"] <= loss), None)
+def time_to_reach(r: Result, loss: float, interpolate: bool = False) -> float | None:
+    """Virtual time of the first evaluation at or below `loss` (None: never); with `interpolate`, linearly between
+    that evaluation and the one before it."""
+    prev = None
+    for e in r["evals"]:
+        if e["val_loss_mean"] <= loss:
+            if not interpolate or prev is None:
+                return e["sim_time_s"]
+            frac = (prev["val_loss_mean"] - loss) / (prev["val_loss_mean"] - e["val_loss_mean"])
+            return prev["sim_time_s"] + frac * (e["sim_time_s"] - prev["sim_time_s"])
+        prev = e
+    return None
 
 
 def claim_speedup(limit: float) -> Callable[[Results], tuple[bool, str]]:
@@ -135,6 +144,53 @@ def paper_like(name: str, *, workers: int, base: dict, a: dict, a_gasloc: dict, 
         Claim("c", "half-slow-10x: GASLoC reaches DiLoCo's final val loss in <= 0.6x DiLoCo's simulated "
               "wall-clock", claim_speedup(0.6)),
     ]
+    return Suite(name, base, runs, claims, notes)
+
+
+def claim_overlap_loss(profile: str, tol: float) -> Callable[[Results], tuple[bool, str]]:
+    def check(res: Results) -> tuple[bool, str]:
+        p, o = res[f"{profile}-plain"], res[f"{profile}-overlap"]
+        rel = _final(o) / _final(p) - 1
+        return _same_tokens(p, o) and rel <= tol, (f"overlap {_final(o):.4f} vs plain {_final(p):.4f}: "
+                                                   f"{100 * rel:+.2f}% (limit +{100 * tol:.0f}%) at {_tokens(p, o)}")
+    return check
+
+
+def claim_overlap_speed(profile: str) -> Callable[[Results], tuple[bool, str]]:
+    def check(res: Results) -> tuple[bool, str]:
+        p, o = res[f"{profile}-plain"], res[f"{profile}-overlap"]
+        tps = [r["tokens"] / r["final_sim_time_s"] for r in (p, o)]
+        busy = [_busy_share(r) for r in (p, o)]
+        target, t_o = _final(o), o["final_sim_time_s"]
+        t_p = time_to_reach(p, target, interpolate=True)
+        speed = (f"{tps[1] / tps[0]:.2f}x the tokens per simulated second ({tps[1]:,.0f} vs {tps[0]:,.0f}; workers "
+                 f"computing {100 * busy[1]:.0f}% of the time vs {100 * busy[0]:.0f}%)")
+        if t_p is None:
+            return True, f"overlap ends at {target:.4f} after {t_o:,.0f} s, a loss plain mixing never reached; {speed}"
+        return t_o < t_p, (f"overlap ends at {target:.4f} after {t_o:,.0f} s; plain mixing reaches it at "
+                           f"{t_p:,.0f} s: {t_o / t_p:.2f}x the time; {speed}")
+    return check
+
+
+def _busy_share(r: Result) -> float:
+    """Mean share of the run's simulated time that a worker spent on inner steps (the rest: waiting, exchanging)."""
+    t = r["final_sim_time_s"]
+    shares = [n * link["seconds_per_step"] / t for n, link in zip(r["inner_steps_per_worker"], r["links"])]
+    return sum(shares) / len(shares)
+
+
+def overlap_suite(name: str, *, workers: int, base: dict, run: dict, notes: list[str]) -> Suite:
+    """Issue 5's overlap question: does one-round-delayed mixing cost loss, and what does it buy in throughput?
+    Same GASLoC settings with and without outer.overlap, on uniform links and on half-slow-10x."""
+    runs = [RunSpec(f"{prof}-{mode}", {"workers": workers, "clock.profile": prof, "topology": "random",
+                                       "outer.algorithm": "gasloc", **run, "outer.overlap": mode == "overlap"})
+            for prof in ("uniform", "half-slow-10x") for mode in ("plain", "overlap")]
+    claims = []
+    for prof in ("uniform", "half-slow-10x"):
+        claims += [Claim(f"loss-{prof}", f"{prof}: overlap's final val loss within 1% of plain mixing's at equal "
+                         "tokens", claim_overlap_loss(prof, 0.01)),
+                   Claim(f"speed-{prof}", f"{prof}: overlap reaches its final val loss in less simulated time "
+                         "than plain mixing needs for the same loss", claim_overlap_speed(prof))]
     return Suite(name, base, runs, claims, notes)
 
 
@@ -225,6 +281,7 @@ def markdown(report: dict) -> str:
     for name, r in report["runs"].items():
         c = r["config"]
         algo = c["outer"]["algorithm"] + (f" ({c['outer']['form']})" if c["outer"]["algorithm"] == "gasloc" else "")
+        algo += ", overlap" if c["outer"].get("overlap") else ""
         topo = "all-reduce" if c["outer"]["algorithm"] == "diloco" else c["topology"]
         rounds = r["rounds_per_worker"]
         rw = f"{min(rounds)}" if min(rounds) == max(rounds) else f"{min(rounds)}-{max(rounds)}"
@@ -273,5 +330,19 @@ SUITES: dict[str, Suite] = {
         a={"rounds": 4, "eval_every": 2}, a_gasloc={"outer.momentum": 0.3},
         b={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, b_gasloc={"num_partners": 2},
         c={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, c_gasloc={"bandwidth_weighted": True},
+        notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),
+    # claim b's settings (H=20, GASLoC C with gamma = eta = 0.7) with one partner per round
+    "overlap": overlap_suite(
+        "overlap", workers=8, base=PAPER_BASE,
+        run={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3, "inner.lr": 2e-3, "outer.form": "C",
+             "outer.momentum": 0.7, "outer.outer_lr": 0.7},
+        notes=["8 workers of the tiny preset; the clock charges messages as a 100M-parameter model in fp16 "
+               "(200 MB): 1.65 s per exchange on uniform 1 Gbit links against 6 s of inner steps, 16 s on a slow "
+               "(100 Mbit) link"]),
+    "overlap-smoke": overlap_suite(
+        "overlap-smoke", workers=4,
+        base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
+              "inner.warmup_steps": 2},
+        run={"inner.inner_steps": 3, "rounds": 3, "eval_every": 1},
         notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),
 }

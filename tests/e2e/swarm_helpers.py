@@ -40,12 +40,16 @@ averaging_timeout_s = 15.0
 next_chunk_timeout_s = 5.0
 [run]
 eval_every_rounds = 2
+[outer]
+overlap = {overlap}
 """
 
 
-def write_config(h: Harness, *, ttl_s: float = 6.0, deadline_s: float = 1.2, inner_steps: int = 10) -> Path:
+def write_config(h: Harness, *, ttl_s: float = 6.0, deadline_s: float = 1.2, inner_steps: int = 10,
+                 overlap: bool = False) -> Path:
     path = h.run_dir / "peer.toml"
-    path.write_text(PEER_TOML.format(run_id=RUN_ID, ttl_s=ttl_s, deadline_s=deadline_s, inner_steps=inner_steps))
+    path.write_text(PEER_TOML.format(run_id=RUN_ID, ttl_s=ttl_s, deadline_s=deadline_s, inner_steps=inner_steps,
+                                     overlap=str(overlap).lower()))
     return path
 
 

@@ -25,7 +25,9 @@ def assert_png(path):
 @pytest.mark.timeout(300)
 def test_swarm_trains_summarizes_plots_and_cleans_up(harness):
     run_dir = harness.run_dir / "demo"
-    harness.spawn("swarm", "swarm", "--peers", "2", "--duration", "40", "--run-dir", run_dir)
+    # a GASLOC_* variable for the peers only: the swarm's bootstrap must not see it (it would reject the key)
+    harness.spawn("swarm", "swarm", "--peers", "2", "--duration", "40", "--run-dir", run_dir,
+                  env={"GASLOC_RUN__EVAL_EVERY_ROUNDS": "1"})
     assert harness.wait_exit("swarm", 240) == 0, harness.log("swarm")
     out = harness.child("swarm").stdout_path.read_text()
     assert "summary" in out and "peer-0" in out and "peer-1" in out, out
@@ -38,6 +40,8 @@ def test_swarm_trains_summarizes_plots_and_cleans_up(harness):
         assert p["rounds"] >= 2, p
         assert p["exchanges_ok"] >= 1 and p["partners"] == [other], p
         assert p["last_loss"] < p["first_loss"], p
+        rounds = [json.loads(line) for line in (run_dir / me / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["val_loss"] is not None for r in rounds if r["event"] == "round")  # the variable reached it
     assert_png(run_dir / "swarm.png")
     # the documented layout
     for f in ("bootstrap.maddrs", "bootstrap.log", "peer-0/metrics.jsonl", "peer-0/peer.log",

@@ -223,3 +223,54 @@ def test_state_dict_round_trip_continues_identically(algorithm, form):
 def test_gossip_rejects_other_hyperparameters():
     with pytest.raises(ValueError, match="gossip"):
         OuterConfig(algorithm="gossip", momentum=0.9)
+
+
+def shift_inner(params, worker, rnd, scale=0.1):
+    """An inner phase whose displacement does not depend on where it starts: delayed mixing is then exact."""
+    g = torch.Generator().manual_seed(7000 * rnd + worker)
+    for p in params:
+        p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+def _pairs_run(form, overlap, k=5, rounds=12, correct=True):
+    """k workers (one odd one out: a solo round) on random pairs; with `overlap` each round is applied as solo and
+    its mix one round later (OuterUpdate.late_mix), flushed after the last round."""
+    cfg = OuterConfig(form=form)
+    workers = [fresh_params() for _ in range(k)]
+    outers = [make_outer(cfg, w) for w in workers]
+    rng = random.Random(3)
+    pending = [None] * k
+    for r in range(rounds):
+        for i, w in enumerate(workers):
+            shift_inner(w, i, r)
+            if overlap and correct and pending[i] is not None:
+                outers[i].late_mix(w, *pending[i])
+        sent = [o.outgoing(w) for o, w in zip(outers, workers)]
+        order = rng.sample(range(k), k)
+        partner = {a: b for a, b in zip(order[0::2], order[1::2])} | {b: a for a, b in zip(order[0::2], order[1::2])}
+        mixed = [mix(sent[i], [sent[partner[i]]]) if i in partner else sent[i] for i in range(k)]
+        for i, (o, w) in enumerate(zip(outers, workers)):
+            o.apply(w, sent[i] if overlap else mixed[i])
+            pending[i] = (sent[i], mixed[i])
+    if overlap and correct:
+        for i, w in enumerate(workers):
+            outers[i].late_mix(w, *pending[i])
+    return workers
+
+
+@pytest.mark.parametrize("form", ["A", "B", "C"])
+def test_overlap_equals_undelayed_mixing_when_the_inner_phase_does_not_depend_on_its_start(form):
+    ref = _pairs_run(form, overlap=False)
+    got = _pairs_run(form, overlap=True)
+    for wr, wg in zip(ref, got):
+        for a, b in zip(wr, wg):
+            torch.testing.assert_close(b, a, atol=1e-9, rtol=0)
+    # without the late correction the run is a swarm of solo workers: far from the mixed one
+    solo = _pairs_run(form, overlap=True, correct=False)
+    assert max(float((a - b).abs().max()) for wr, ws in zip(ref, solo) for a, b in zip(wr, ws)) > 1e-2
+
+
+def test_overlap_is_rejected_where_it_is_not_defined():
+    for algorithm in ("diloco", "noloco", "local"):
+        with pytest.raises(ValueError, match="overlap"):
+            OuterConfig(algorithm=algorithm, overlap=True)

@@ -28,6 +28,8 @@ def one_line_error(res, needle):
     (["--workers", "1", "--algorithm", "gasloc"], "needs at least 2 workers"),
     (["--algorithm", "gossip", "--momentum", "0.5"], "gossip"),
     (["--model", "huge"], "unknown preset 'huge'"),
+    (["--overlap", "--schedule", "async"], "lockstep schedule only"),
+    (["--overlap", "--algorithm", "diloco"], "defined for gasloc and gossip"),
 ])
 def test_bad_flags(args, needle):
     one_line_error(invoke(*args), needle)
@@ -87,4 +89,25 @@ def test_compare_smoke_suite(tmp_path):
     assert table.count("| **PASS** |") + table.count("| **FAIL** |") == 4
     for name in report["runs"]:
         assert f"| {name} |" in table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(120)
+def test_compare_overlap_smoke_suite(tmp_path):
+    out, png = tmp_path / "o.json", tmp_path / "o.png"
+    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "overlap-smoke", "--json", str(out), "--plot",
+                                   str(png)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert list(runs) == ["uniform-plain", "uniform-overlap", "half-slow-10x-plain", "half-slow-10x-overlap"]
+    assert [runs[n]["config"]["outer"]["overlap"] for n in runs] == [False, True, False, True]
+    # same tokens, and the overlapped exchanges cost no simulated time while they hide behind the inner steps
+    for prof in ("uniform", "half-slow-10x"):
+        plain, over = runs[f"{prof}-plain"], runs[f"{prof}-overlap"]
+        assert plain["tokens"] == over["tokens"]
+        assert over["final_sim_time_s"] < plain["final_sim_time_s"]
+    assert [c["claim"] for c in report["claims"]] == ["loss-uniform", "speed-uniform", "loss-half-slow-10x",
+                                                      "speed-half-slow-10x"]
+    assert "gasloc (C), overlap" in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

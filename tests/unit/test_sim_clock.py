@@ -29,6 +29,9 @@ class FakeTrainer:
     def send(self, i):
         return 1000
 
+    def arrive(self, i):
+        self.log.append(("arrive", i, self.engine.now))
+
     def mix_round(self, partners):
         for i, ps in partners.items():
             assert all(i in partners[j] for j in ps)  # symmetric
@@ -58,9 +61,9 @@ def drive(eng, tr, until_rounds):
             return
 
 
-def make_lockstep(links, topology="random", *, barrier=False, steps=lambda i: 4, seed=0):
+def make_lockstep(links, topology="random", *, barrier=False, steps=lambda i: 4, seed=0, overlap=False):
     eng = LockstepEngine(links, topology, barrier=barrier, communicates=True, steps_for=steps,
-                         wire_bytes=lambda numel: M, rng=random.Random(seed))
+                         wire_bytes=lambda numel: M, rng=random.Random(seed), overlap=overlap)
     tr = FakeTrainer()
     tr.engine = eng
     return eng, tr
@@ -96,6 +99,31 @@ def test_lockstep_exchange_starts_when_both_are_ready():
     assert eng.workers[0].idle_s == pytest.approx(4.0) and eng.workers[1].idle_s == 0
     next(run)
     assert eng.workers[0].rounds == 2 and eng.workers[0].bytes_sent == 2 * M
+
+
+def test_lockstep_overlap_hides_an_exchange_shorter_than_the_inner_phase():
+    eng, tr = make_lockstep([FAST, FAST], "ring", overlap=True)
+    run = eng.run(tr)
+    for _ in range(3):
+        next(run)
+    assert eng.clocks == pytest.approx([3 * 2.0] * 2)  # 4 steps of 0.5 s per round, the exchanges hidden
+    assert all(w.idle_s == 0 for w in eng.workers)
+    assert eng.exchange_end == pytest.approx([6.0 + pair_seconds(M, FAST, FAST)] * 2)  # the last one in flight
+    plain, tr2 = make_lockstep([FAST, FAST], "ring")
+    run = plain.run(tr2)
+    for _ in range(3):
+        next(run)
+    assert plain.clocks == pytest.approx([3 * (2.0 + pair_seconds(M, FAST, FAST))] * 2)
+
+
+def test_lockstep_overlap_waits_for_an_exchange_longer_than_the_inner_phase():
+    eng, tr = make_lockstep([SLOW, SLOW], "ring", overlap=True)
+    run = eng.run(tr)
+    next(run)
+    next(run)
+    x = pair_seconds(M, SLOW, SLOW)  # ~8 s against 2 s of inner steps
+    assert eng.clocks == pytest.approx([2.0 + x] * 2)  # round 2's steps ended at 4 s, then its mix arrived
+    assert eng.workers[0].idle_s == pytest.approx(x - 2.0)
 
 
 def test_lockstep_allreduce_is_gated_by_the_slowest_link():

@@ -1,0 +1,42 @@
+"""`[outer] overlap = true` on real `gasloc peer` processes: each round's exchange runs during the next round's inner
+steps and its mix is added one round late; the swarm still pairs randomly, learns and stays together, and a
+SIGTERM settles the exchange in flight before the shutdown checkpoint."""
+from __future__ import annotations
+
+import pytest
+
+from e2e.swarm_helpers import ok_partners, rounds, start_peers, val_losses, write_config
+
+FRESH_LOSS = 5.0  # a fresh tiny model on bytes: ~5.2 nats
+
+
+@pytest.mark.timeout(300)
+def test_overlapped_swarm_pairs_learns_and_settles_on_sigterm(harness, bootstrap):
+    h = harness
+    cfg = write_config(h, inner_steps=30, overlap=True)
+    names = ["p0", "p1", "p2"]
+    ids = start_peers(h, names, bootstrap, cfg)
+
+    def enough():
+        return all(sum(ok_partners(rounds(h, n)).values()) >= 8 and len(ok_partners(rounds(h, n))) >= 2
+                   for n in names)
+    h.wait_until(enough, 180, "8 ok exchanges with >= 2 partners each", alive=tuple(names))
+
+    for n in names:
+        rs = rounds(h, n)
+        assert set(ok_partners(rs)) <= set(ids.values()) - {ids[n]}, ok_partners(rs)
+        assert rs[0]["outcome"] == "solo"  # round 1 reports the exchange of round 0: there is none
+        for r in rs:
+            if r["outcome"] == "ok":  # the exchange ran during this round's inner steps: no transfer time
+                assert r["transfer_s"] == 0 and r["exchange_s"] > 0 and r["bytes_received"] > 0, r
+        vals = val_losses(rs)
+        assert len(vals) >= 4 and vals[-1] < FRESH_LOSS - 2.0 and vals[-1] < vals[0] - 0.2, (n, vals)
+        cons = sorted(r["consensus"] for r in rs if r["outcome"] == "ok")
+        assert cons[-1] < 2.0 and cons[len(cons) // 2] < 1.0, (n, cons)
+
+    h.terminate("p0")
+    assert h.wait_exit("p0", 30) == 0, h.log("p0")
+    log = h.log("p0")
+    assert "shutdown_step_failed" not in log, log
+    last = rounds(h, "p0")[-1]["round"]
+    assert f"checkpoint round={last} " in log, log  # written after the last exchange was settled

@@ -103,7 +103,7 @@ class SimTrainer:
                 self.mixed[i] = mix(self.sent[i], [self.sent[j] for j in workers if j != i], self.weight)
 
     def apply(self, i: int) -> None:
-        if self.overlap:  # solo now; the mix is added after the next inner phase (send)
+        if self.overlap:  # solo now; the mix is added where it lands in the next inner phase (arrive)
             self.outers[i].apply(self.params[i], self.sent[i])
             if self.mixed[i] is not self.sent[i]:
                 self.late[i] = (self.sent[i], self.mixed[i])

@@ -378,6 +378,10 @@ class Peer:
             consensus = relative_distance(sent, received)
         return ex, consensus, self._evaluate_at(self.outer.anchor) if eval_due and evaluate_due else None
 
+    def _settle_last(self) -> None:
+        ex, _, _ = self._settle_pending(evaluate_due=False)
+        log.info("overlap: settled the last exchange outcome=%s partner=%s", ex.outcome, _short(ex.partner))
+
     @torch.no_grad()
     def _evaluate_at(self, point: list[torch.Tensor]) -> float:
         """Validation loss of the model with `point` as its parameters (a transient copy of the current ones)."""
@@ -411,11 +415,14 @@ class Peer:
         # in flight ends within its deadline), then the network and the DHT child.
         if self.net is not None:
             _step("withdraw", self.net.withdraw)
+        unsaved = self.round > self._saved_round
         if self._pending is not None:  # overlap: the last round's mix belongs in the checkpoint
-            _step("settle the last exchange", lambda: self._settle_pending(evaluate_due=False))
+            self.stopping.set()  # (also after --max-rounds) no new attempts: we left the listing; one in flight ends
+            _step("settle the last exchange", self._settle_last)
+            unsaved = True  # even if this round was saved: the mix just added is not in it
         # every round ends with outer.apply, so the state here is at a round boundary: safe to checkpoint
         # (self.averaging is set once the model, optimizer and outer state exist)
-        if self.averaging is not None and self.cfg.checkpoint is not None and self.round > self._saved_round:
+        if self.averaging is not None and self.cfg.checkpoint is not None and unsaved:
             _step("checkpoint", self._save_checkpoint)
         if self.averaging is not None:
             _step("averaging.close", self.averaging.close)

@@ -34,9 +34,19 @@ def test_overlapped_swarm_pairs_learns_and_settles_on_sigterm(harness, bootstrap
         cons = sorted(r["consensus"] for r in rs if r["outcome"] == "ok")
         assert cons[-1] < 2.0 and cons[len(cons) // 2] < 1.0, (n, cons)
 
+    # a peer that stops by itself (--max-rounds) leaves its last exchange in flight: it is settled, then checkpointed
+    start_peers(h, ["p3"], bootstrap, cfg, "--max-rounds", "4")
+    assert h.wait_exit("p3", 90) == 0, h.log("p3")
+    log = h.log("p3")
+    assert "shutdown_step_failed" not in log, log
+    settled = log.index("overlap: settled the last exchange")
+    last = rounds(h, "p3")[-1]["round"]  # a joiner takes over its donor's round count: not 4
+    assert f"checkpoint round={last} " in log[settled:], log
+
+    # SIGTERM ends the inner steps early; the round still ends (its exchange settled), then a checkpoint
     h.terminate("p0")
     assert h.wait_exit("p0", 30) == 0, h.log("p0")
     log = h.log("p0")
     assert "shutdown_step_failed" not in log, log
     last = rounds(h, "p0")[-1]["round"]
-    assert f"checkpoint round={last} " in log, log  # written after the last exchange was settled
+    assert f"checkpoint round={last} " in log.split("stopping signal=SIGTERM", 1)[1], log

@@ -341,15 +341,17 @@ class Peer:
             ex = self.averaging.average([t.detach().to("cpu") for t in sent], self.round, self.live_count)
         self._note_bandwidth(ex)
         t_outer = time.monotonic()
-        consensus = None
-        if ex.ok:
-            received = [t.to(self.device) for t in ex.received]
-            consensus = relative_distance(sent, received)
-            mixed = mix(sent, [received], self.cfg.outer.mix_weight) if ex.kind == "pair" else received
-        else:
-            mixed = sent  # solo round: mix is the identity, the outer momentum still applies
+        # a solo round: mix is the identity, the outer momentum still applies
+        mixed, consensus = self._mixed(sent, ex) if ex.ok else (sent, None)
         self.outer.apply(self.params, mixed)
         return ex, consensus, time.monotonic() - t_outer
+
+    def _mixed(self, sent: list[torch.Tensor], ex: RoundExchange) -> tuple[list[torch.Tensor], float]:
+        """Our tensors mixed with what an ok exchange received (a partner's, or DiLoCo's group mean, used as is),
+        and the consensus metric: their distance relative to ours."""
+        received = [t.to(self.device) for t in ex.received]
+        mixed = mix(sent, [received], self.cfg.outer.mix_weight) if ex.kind == "pair" else received
+        return mixed, relative_distance(sent, received)
 
     def _note_bandwidth(self, ex: RoundExchange) -> None:
         if ex.ok and ex.bytes_received and ex.exchange_s > 0:
@@ -373,9 +375,8 @@ class Peer:
         self._note_bandwidth(ex)
         consensus = None
         if ex.ok:
-            received = [r.to(self.device) for r in ex.received]
-            self.outer.late_mix(self.params, sent, mix(sent, [received], self.cfg.outer.mix_weight))
-            consensus = relative_distance(sent, received)
+            mixed, consensus = self._mixed(sent, ex)
+            self.outer.late_mix(self.params, sent, mixed)
         return ex, consensus, self._evaluate_at(self.outer.anchor) if eval_due and evaluate_due else None
 
     def _settle_last(self) -> None:

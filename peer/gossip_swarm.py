@@ -48,6 +48,7 @@ class Background:
     """Overlap: a partner search and exchange running on the event loop while the training thread trains."""
     cut: threading.Event           # set: stop searching (an exchange in flight still finishes)
     future: concurrent.futures.Future
+    round: int
 
     def done(self) -> bool:
         """The search is over (an exchange completed, or it gave up): settling it will not wait."""
@@ -70,28 +71,26 @@ class GossipAveraging:
 
     def average(self, sent: list[torch.Tensor], round: int, live_count: Callable[[], int]) -> RoundExchange:
         """Blocks the training thread for at most partner_deadline_s plus one exchange's deadline."""
-        limit = self.cfg.swarm.partner_deadline_s + self.cfg.exchange.exchange_timeout_s + 10
-        try:
-            return self.net.aio.run(self._average(sent, round), limit)
-        except TimeoutError:  # every await inside has its own deadline; reaching this one is a bug, made visible
-            log.error("round=%d partner search overran its %.0f s limit; solo round", round, limit)
-            return RoundExchange(outcome="failed", detail="partner search overran its limit")
+        return self._result(self.net.aio.submit(self._average(sent, round)), round)
 
     def begin(self, sent: list[torch.Tensor], round: int, window_s: float) -> Background:
         """Overlap: start this round's partner search and exchange in the background; `window_s` is how long the
         next inner phase is expected to take (the search's horizon). Pass the result to `settle`."""
         cut = threading.Event()
-        return Background(cut, self.net.aio.submit(self._average(sent, round, cut=cut, window_s=window_s)))
+        return Background(cut, self.net.aio.submit(self._average(sent, round, cut=cut, window_s=window_s)), round)
 
     def settle(self, pending: Background) -> RoundExchange:
         """Overlap: end the background search once partner_deadline_s since `begin` has passed (an exchange in
         flight finishes within its deadline) and return what it got; at once when `pending.done()`."""
         pending.cut.set()
+        return self._result(pending.future, pending.round)
+
+    def _result(self, fut: concurrent.futures.Future, round: int) -> RoundExchange:
         limit = self.cfg.swarm.partner_deadline_s + self.cfg.exchange.exchange_timeout_s + 10
         try:
-            return self.net.aio.wait(pending.future, limit)
-        except TimeoutError:  # as in average(): every await inside has its own deadline
-            log.error("a background partner search overran its %.0f s limit after its cut; solo round", limit)
+            return self.net.aio.wait(fut, limit)
+        except TimeoutError:  # every await inside has its own deadline; reaching this one is a bug, made visible
+            log.error("round=%d partner search overran its %.0f s limit; solo round", round, limit)
             return RoundExchange(outcome="failed", detail="partner search overran its limit")
 
     async def _average(self, sent: list[torch.Tensor], round: int, cut: threading.Event | None = None,

@@ -69,22 +69,20 @@ class WorkerState:
     idle_s: float = 0.0         # time spent waiting for partners
 
 
-class AsyncEngine:
-    """Drives a Trainer through rounds on virtual clocks. Iterate `run()`: it yields after each instant."""
+class Engine:
+    """What both schedules share (this one and sim/lockstep.py): the workers, their links, and the bookkeeping."""
 
-    def __init__(self, links: Sequence[Link], edges: Sequence[Edge], *, barrier: bool, communicates: bool,
+    def __init__(self, links: Sequence[Link], *, barrier: bool, communicates: bool,
                  steps_for: Callable[[int], int], wire_bytes: Callable[[int], float], rng: random.Random,
-                 num_partners: int = 1, weights: Mapping[Edge, float] | None = None,
-                 match_timeout_s: float | None = None):
-        self.links, self.edges = list(links), list(edges)
+                 num_partners: int = 1, weights: Mapping[Edge, float] | None = None):
+        self.links = list(links)
         self.k = len(self.links)
         self.barrier, self.communicates = barrier, communicates
         self.steps_for, self.wire_bytes, self.rng = steps_for, wire_bytes, rng
-        self.num_partners, self.weights, self.match_timeout_s = num_partners, weights, match_timeout_s
+        self.num_partners, self.weights = num_partners, weights
         self.workers = [WorkerState() for _ in range(self.k)]
         self.now = 0.0
 
-    # ---- bookkeeping
     @property
     def total_rounds(self) -> int:
         return sum(w.rounds for w in self.workers)
@@ -93,6 +91,16 @@ class AsyncEngine:
     def total_steps(self) -> int:
         return sum(w.steps for w in self.workers)
 
+
+class AsyncEngine(Engine):
+    """Drives a Trainer through rounds on virtual clocks. Iterate `run()`: it yields after each instant."""
+
+    def __init__(self, links: Sequence[Link], edges: Sequence[Edge], *, match_timeout_s: float | None = None,
+                 **common):
+        super().__init__(links, **common)
+        self.edges, self.match_timeout_s = list(edges), match_timeout_s
+
+    # ---- bookkeeping
     def _next_time(self, w: WorkerState) -> float:
         if w.phase == WAIT:
             if self.barrier or self.match_timeout_s is None:

@@ -20,38 +20,21 @@ max_i c_i. Compare sim/engine.py, where workers do not share a round counter at 
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 
-from gasloc.protocol.matching import Edge, Topology, round_partners
+from gasloc.protocol.matching import Topology, round_partners
 from gasloc.sim.clock import Link, allreduce_seconds, pair_seconds
-from gasloc.sim.engine import Trainer, WorkerState
+from gasloc.sim.engine import Engine, Trainer
 
 
-class LockstepEngine:
+class LockstepEngine(Engine):
     """Drives a Trainer through lock-step rounds. Iterate `run()`: it yields the virtual time after each round."""
 
-    def __init__(self, links: Sequence[Link], topology: Topology, *, barrier: bool, communicates: bool,
-                 steps_for: Callable[[int], int], wire_bytes: Callable[[int], float], rng: random.Random,
-                 num_partners: int = 1, weights: Mapping[Edge, float] | None = None, overlap: bool = False):
-        self.links, self.topology = list(links), topology
-        self.k = len(self.links)
-        self.barrier, self.communicates = barrier, communicates
-        self.steps_for, self.wire_bytes, self.rng = steps_for, wire_bytes, rng
-        self.num_partners, self.weights = num_partners, weights
-        self.workers = [WorkerState() for _ in range(self.k)]
+    def __init__(self, links: Sequence[Link], topology: Topology, *, overlap: bool = False, **common):
+        super().__init__(links, **common)
+        self.topology, self.overlap = topology, overlap
         self.clocks = [0.0] * self.k
-        self.overlap = overlap
         self.exchange_end = [0.0] * self.k  # overlap: when the worker's last exchange ends
-        self.now = 0.0
-
-    @property
-    def total_rounds(self) -> int:
-        return sum(w.rounds for w in self.workers)
-
-    @property
-    def total_steps(self) -> int:
-        return sum(w.steps for w in self.workers)
 
     def run(self, trainer: Trainer, horizon_s: float = math.inf) -> Iterator[float]:
         """Rounds until the caller stops iterating, or until a round ends past `horizon_s` (that round included)."""

@@ -72,6 +72,18 @@ def ok_partners(rs: list[dict]) -> Counter:
     return Counter(r["partner"] for r in rs if r["outcome"] == "ok")
 
 
+def all_have(h: Harness, names: list[str], ok_rounds: int, partners: int, since: float = 0.0):
+    """A wait_until condition: each of `names` has >= ok_rounds ok exchanges with >= partners distinct partners
+    in its rounds since `since`."""
+    def check() -> bool:
+        for n in names:
+            got = ok_partners([r for r in rounds(h, n) if r["time"] >= since])
+            if sum(got.values()) < ok_rounds or len(got) < partners:
+                return False
+        return True
+    return check
+
+
 def val_losses(rs: list[dict]) -> list[float]:
     return [r["val_loss"] for r in rs if r.get("val_loss") is not None]
 

@@ -10,7 +10,7 @@ import pytest
 
 from gasloc.procs import read_stat
 
-from e2e.swarm_helpers import (Listing, ok_partners, rounds, start_event, start_peers, steps_per_s,
+from e2e.swarm_helpers import (Listing, all_have, ok_partners, rounds, start_event, start_peers, steps_per_s,
                                throughput_ratio, val_losses, write_config)
 
 EXCHANGE_TIMEOUT_S = 2.5  # [exchange] exchange_timeout_s in swarm_helpers.PEER_TOML
@@ -19,16 +19,6 @@ FRESH_LOSS = 5.0          # a fresh tiny model on bytes: ~5.2 nats (ln 256 = 5.5
 
 def _resyncs(h, name):
     return [r for r in h.metrics(name) if r.get("event") == "resync"]
-
-
-def _all_have(h, names, ok_rounds, partners, since=0.0):
-    def check():
-        for n in names:
-            got = ok_partners([r for r in rounds(h, n) if r["time"] >= since])
-            if sum(got.values()) < ok_rounds or len(got) < partners:
-                return False
-        return True
-    return check
 
 
 @pytest.mark.timeout(420)
@@ -41,7 +31,7 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
     ids = start_peers(h, names, bootstrap, cfg)
 
     # 1. random pairwise exchanges: everyone mixes with at least two different partners
-    h.wait_until(_all_have(h, names, ok_rounds=5, partners=2), 180, "5 ok exchanges with >= 2 partners each",
+    h.wait_until(all_have(h, names, ok_rounds=5, partners=2), 180, "5 ok exchanges with >= 2 partners each",
                  alive=tuple(names))
     for n in names:
         rs = rounds(h, n)
@@ -75,7 +65,7 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
     rs3 = _resyncs(h, "p3")[0]
     assert rs3["joined_from"] in {ids[n] for n in survivors}, rs3
     assert rs3["absent_s"] >= 15 and rs3["round"] > rs3["from_round"], rs3
-    h.wait_until(_all_have(h, ["p3"], ok_rounds=1, partners=1, since=rs3["time"]), 90,
+    h.wait_until(all_have(h, ["p3"], ok_rounds=1, partners=1, since=rs3["time"]), 90,
                  "p3 exchanging again after its resync", alive=tuple(names))
     first = next(r for r in rounds(h, "p3") if r["time"] >= rs3["time"] and r["outcome"] == "ok")
     assert first["consensus"] < 0.5, first  # back among the swarm, like a joiner
@@ -88,7 +78,7 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
     assert st["initial_loss"] < FRESH_LOSS - 0.5, st
     assert abs(st["initial_loss"] - sum(swarm_val) / len(swarm_val)) < 0.5, (st, swarm_val)
     assert st["round"] > 0, st  # it took over the donor's round count
-    h.wait_until(_all_have(h, ["p4"], ok_rounds=1, partners=1), 90, "the joiner's first ok exchange",
+    h.wait_until(all_have(h, ["p4"], ok_rounds=1, partners=1), 90, "the joiner's first ok exchange",
                  alive=("p4",))
 
     # 4. over the whole run every original peer learned (well below a fresh model, and still improving) and the
@@ -110,7 +100,7 @@ def test_kill_9_mid_exchange_is_survived_and_sigterm_withdraws_cleanly(harness, 
     cfg = write_config(h, ttl_s=ttl_s)
     names = ["p0", "p1", "p2"]
     ids = start_peers(h, names, bootstrap, cfg)
-    h.wait_until(_all_have(h, names, ok_rounds=3, partners=1), 120, "3 ok exchanges each", alive=tuple(names))
+    h.wait_until(all_have(h, names, ok_rounds=3, partners=1), 120, "3 ok exchanges each", alive=tuple(names))
 
     live = Listing(h, bootstrap)
     assert set(ids.values()) <= set(live())
@@ -152,7 +142,7 @@ def test_kill_9_mid_exchange_is_survived_and_sigterm_withdraws_cleanly(harness, 
     resumed = [r for r in h.metrics("p1") if r["event"] == "start"][-1]
     assert resumed["joined_from"] == "checkpoint" and resumed["round"] == last_round, resumed
     t_restart = time.time()
-    h.wait_until(_all_have(h, ["p1"], ok_rounds=1, partners=1, since=t_restart), 60, "the resumed p1's exchange",
+    h.wait_until(all_have(h, ["p1"], ok_rounds=1, partners=1, since=t_restart), 60, "the resumed p1's exchange",
                  alive=("p0", "p1"))
 
     # 4. a shutdown stuck on an unresponsive DHT (its process frozen) is cut short by a second Ctrl+C: exit 130

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e.swarm_helpers import ok_partners, rounds, start_peers, val_losses, write_config
+from e2e.swarm_helpers import all_have, ok_partners, rounds, start_peers, val_losses, write_config
 
 FRESH_LOSS = 5.0  # a fresh tiny model on bytes: ~5.2 nats
 
@@ -17,10 +17,8 @@ def test_overlapped_swarm_pairs_learns_and_settles_on_sigterm(harness, bootstrap
     names = ["p0", "p1", "p2"]
     ids = start_peers(h, names, bootstrap, cfg)
 
-    def enough():
-        return all(sum(ok_partners(rounds(h, n)).values()) >= 8 and len(ok_partners(rounds(h, n))) >= 2
-                   for n in names)
-    h.wait_until(enough, 180, "8 ok exchanges with >= 2 partners each", alive=tuple(names))
+    h.wait_until(all_have(h, names, ok_rounds=8, partners=2), 180, "8 ok exchanges with >= 2 partners each",
+                 alive=tuple(names))
 
     for n in names:
         rs = rounds(h, n)

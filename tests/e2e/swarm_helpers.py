@@ -88,35 +88,12 @@ def val_losses(rs: list[dict]) -> list[float]:
     return [r["val_loss"] for r in rs if r.get("val_loss") is not None]
 
 
-def _compute_in(r: dict, t0: float, t1: float) -> float:
-    """Seconds of round r's inner phase inside [t0, t1]: the phase ran from the round's start
-    (end time - round_s) for compute_s seconds."""
-    start = r["time"] - r["round_s"]
-    return max(0.0, min(start + r["compute_s"], t1) - max(start, t0))
-
-
-def steps_per_s(rs: list[dict], t0: float, t1: float) -> float:
-    """Inner steps per wall-clock second within [t0, t1] (a round's steps counted pro rata to its overlap)."""
-    return sum(r["inner_steps"] * _compute_in(r, t0, t1) / r["compute_s"] for r in rs) / (t1 - t0)
-
-
-def throughput_ratio(rs: list[dict], before: tuple[float, float], during: tuple[float, float]) -> float:
-    """Inner-step throughput during a window relative to before it, at the same compute speed.
-
-    Steps per second are H / (H * seconds_per_step + overhead) with overhead the time per round outside the inner
-    phase (partner search, exchange, outer update, evaluation). The seconds per step move with the load on the
-    shared test machine - in both directions: other jobs, or the frozen peer's CPU coming free - which says nothing
-    about the swarm; what a frozen peer can cost the others is overhead. So the ratio keeps the before-window's
-    speed and compares the overheads of the rounds that ended in each window."""
-    def window(t0, t1):
-        return [r for r in rs if t0 <= r["time"] <= t1]
-
-    b, d = window(*before), window(*during)
-    assert b and d, (len(b), len(d))
-    sec_per_step = sum(r["compute_s"] for r in b) / sum(r["inner_steps"] for r in b)
-    h = sum(r["inner_steps"] for r in b + d) / len(b + d)
-    overhead_b, overhead_d = (sum(r["round_s"] - r["compute_s"] for r in w) / len(w) for w in (b, d))
-    return (h * sec_per_step + overhead_b) / (h * sec_per_step + overhead_d)
+def overhead_s(rs: list[dict], t0: float, t1: float) -> list[float]:
+    """Per-round seconds outside the inner phase (partner search, exchange, outer update, evaluation) of the rounds
+    that ended within [t0, t1]. What a frozen or dead peer can cost the others shows here; the seconds of the inner
+    steps move with the load on the shared test machine (other jobs, or the frozen peer's CPU coming free) and say
+    nothing about the swarm."""
+    return [r["round_s"] - r["compute_s"] for r in rs if t0 <= r["time"] <= t1]
 
 
 class Listing:

@@ -10,10 +10,11 @@ import pytest
 
 from gasloc.procs import read_stat
 
-from e2e.swarm_helpers import (Listing, all_have, ok_partners, rounds, start_event, start_peers, steps_per_s,
-                               throughput_ratio, val_losses, write_config)
+from e2e.swarm_helpers import (Listing, all_have, ok_partners, overhead_s, rounds, start_event, start_peers,
+                               val_losses, write_config)
 
 EXCHANGE_TIMEOUT_S = 2.5  # [exchange] exchange_timeout_s in swarm_helpers.PEER_TOML
+DEADLINE_S = 1.2          # write_config's partner_deadline_s
 FRESH_LOSS = 5.0          # a fresh tiny model on bytes: ~5.2 nats (ln 256 = 5.55)
 
 
@@ -54,9 +55,13 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
     t_resume = time.time()
     for n in survivors:
         rs = rounds(h, n)
-        ratio = throughput_ratio(rs, (t_pause - 20, t_pause), (t_pause, t_resume))
-        raw = steps_per_s(rs, t_pause - 20, t_pause), steps_per_s(rs, t_pause, t_resume)
-        assert ratio >= 0.8, (n, ratio, "raw steps/s before, during:", raw)
+        # Three survivors: each round one of them is the odd one out, waits its whole partner deadline and goes
+        # solo - the swarm's parity, not the frozen peer (measured extra per round: 0.1-0.5 s). Waiting for the
+        # frozen peer (its TTL, libp2p's keepalive) would cost seconds per round, up to the whole 20 s.
+        before, during = overhead_s(rs, t_pause - 20, t_pause), overhead_s(rs, t_pause, t_resume)
+        extra = sum(during) / len(during) - sum(before) / len(before)
+        assert extra <= DEADLINE_S + 0.5, (n, extra, "seconds outside the inner phase per round before, during:",
+                                           before, during)
         late = [r for r in rs if r["time"] >= t_pause]
         assert all(r["exchange_s"] <= EXCHANGE_TIMEOUT_S + 0.5 for r in late), late
     # p3 was away longer than its record's TTL and ~8 of its rounds: it resyncs from a survivor instead of mixing
@@ -67,8 +72,15 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
     assert rs3["absent_s"] >= 15 and rs3["round"] > rs3["from_round"], rs3
     h.wait_until(all_have(h, ["p3"], ok_rounds=1, partners=1, since=rs3["time"]), 90,
                  "p3 exchanging again after its resync", alive=tuple(names))
-    first = next(r for r in rounds(h, "p3") if r["time"] >= rs3["time"] and r["outcome"] == "ok")
-    assert first["consensus"] < 0.5, first  # back among the swarm, like a joiner
+    after = [r for r in rounds(h, "p3") if r["time"] >= rs3["time"]]
+    first = next(r for r in after if r["outcome"] == "ok")
+    # back among the swarm, like a joiner: as close to its partner as the survivors are to theirs (0.05-0.4 here,
+    # up to ~0.7 between two pairs that had kept exchanging with each other), not 1.5-2.1 as when it mixed its
+    # stale model in
+    spread = [round(r["consensus"], 3) for n in survivors for r in rounds(h, n)
+              if r["outcome"] == "ok" and t_pause <= r["time"] <= first["time"]]
+    assert first["consensus"] < 1.0, (first, "p3 since its resync:", [(r["outcome"], r["consensus"]) for r in after],
+                                      "survivors meanwhile:", spread)
 
     # 3. a joiner downloads the swarm's current state instead of starting from scratch, then exchanges
     swarm_val = [val_losses(rounds(h, n))[-1] for n in survivors]

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from gasloc.bootstrap.config import BootstrapConfig
-from gasloc.procs import emit_ready
+from gasloc.procs import StopSignals, emit_ready
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +84,16 @@ def swarm_size(dht, run_id: str, timeout_s: float) -> dict[str, int]:
 
 def run(cfg: BootstrapConfig) -> int:
     stop = threading.Event()
-    signals = {"n": 0}
+    signals = StopSignals()
 
     def on_signal(signum, _frame):
-        signals["n"] += 1
-        if signals["n"] > 1:  # a second Ctrl+C: the operator does not want to wait for a clean shutdown
+        kind = signals.classify()
+        if kind == "force":  # a second Ctrl+C: the operator does not want to wait for a clean shutdown
             logger.warning("second_signal signal=%s exiting_now", signal.Signals(signum).name)
             os._exit(EXIT_FAILED)  # the DHT child dies with us (PR_SET_PDEATHSIG)
-        logger.info("signal=%s shutting_down", signal.Signals(signum).name)
-        stop.set()
+        if kind == "first":
+            logger.info("signal=%s shutting_down", signal.Signals(signum).name)
+            stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

@@ -68,7 +68,7 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from gasloc.procs import ChildFailed, Supervisor, gasloc_argv
+    from gasloc.procs import ChildFailed, StopSignals, Supervisor, gasloc_argv
     from gasloc.swarmview import JsonlTail, PeerView, live_table, plot_losses, summary_dict, summary_table
 
     run_dir = cfg.run_dir or Path("runs") / time.strftime("swarm-%Y%m%d-%H%M%S")
@@ -80,13 +80,12 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
     console = Console(soft_wrap=True)
     if not console.is_terminal:  # a log file or a pipe: wide enough that the tables do not wrap
         console = Console(soft_wrap=True, width=140)
-    stop, interrupted = threading.Event(), {"n": 0}
+    stop, signals = threading.Event(), StopSignals()
     sup = Supervisor()
 
     def on_signal(signum, _frame):
-        interrupted["n"] += 1
         stop.set()
-        if interrupted["n"] > 1:  # second Ctrl+C: no more waiting for clean shutdowns
+        if signals.classify() == "force":  # second Ctrl+C: no more waiting for clean shutdowns
             for name in list(sup.children):
                 sup.signal_tree(name, signal.SIGKILL)
 
@@ -167,7 +166,7 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
     if failed:
         console.print(f"[red]failed:[/red] {', '.join(sorted(set(failed)))} (see their logs in {run_dir})")
         return 1
-    return 0 if all_ready or not interrupted["n"] else 130
+    return 0 if all_ready or signals.first_at is None else 130
 
 
 def _refresh(views, tails, sup) -> None:

@@ -8,8 +8,9 @@ that loop where a round explicitly asks for it (finding a partner), always with 
 Failure semantics: a round's communication either completes and passes its checks (outcome ok, mixed in) or is
 skipped (a solo round: outer.apply(params, sent)); nothing waits for the swarm. SIGINT/SIGTERM set a flag: the
 current round finishes (or its exchange aborts at its deadline), a checkpoint is written if configured, the DHT
-record is withdrawn, and every child (DHT, p2pd, averager) is shut down before exit 0. A second signal exits at
-once (130); the children then die through their death signal (peer/safeproc.py).
+record is withdrawn, and every child (DHT, p2pd, averager) is shut down before exit 0. A second signal (more than a
+second after the first: gasloc.procs.StopSignals) exits at once (130); the children then die through their death
+signal (peer/safeproc.py).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from gasloc.peer.model import autocast_for, build_model, maybe_compile
 from gasloc.peer.outer import make_outer
 from gasloc.peer.round_report import RoundExchange, relative_distance
 from gasloc.peer.safeproc import remove_own_shm
+from gasloc.procs import StopSignals
 from gasloc.protocol.averaging import mix
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ class Peer:
         self.cfg = cfg
         self.stopping = threading.Event()
         self.stop_reason = "finished"
-        self._signals = 0
+        self._signals = StopSignals()
         self._sink_override = sink
         self.sink: MetricsSink = NullSink()
         self.round = 0
@@ -118,12 +120,14 @@ class Peer:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self._signals += 1
-        if self._signals > 1:
+        kind = self._signals.classify()
+        if kind == "force":
             os.write(2, b"second signal: exiting now without a clean shutdown\n")
             os._exit(EXIT_FORCED)
+        if kind == "repeat":
+            return
         self.stop_reason = signal.Signals(signum).name
-        log.info("stopping signal=%s (send it again to exit at once)", self.stop_reason)
+        log.info("stopping signal=%s (send it again in a second to exit at once)", self.stop_reason)
         self.stopping.set()
 
     def _startup(self) -> None:

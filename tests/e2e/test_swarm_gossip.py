@@ -134,7 +134,10 @@ def test_kill_9_mid_exchange_is_survived_and_sigterm_withdraws_cleanly(harness, 
         assert all(r["exchange_s"] <= EXCHANGE_TIMEOUT_S + 0.5 for r in late), late
         assert any(r["outcome"] == "ok" for r in late), late  # still pairing with the other survivor
 
-    # 2. SIGTERM: a clean exit 0 within seconds, the record withdrawn at once (not left to expire), nothing left
+    # 2. SIGTERM: a clean exit 0 within seconds, the record withdrawn at once (not left to expire), nothing left.
+    #    Sent twice at once, as the kernel does when a multi-threaded parent dies (one death signal per thread):
+    #    the same request, not a forced exit
+    h.terminate("p1")
     h.terminate("p1")
     assert h.wait_exit("p1", 30) == 0, h.log("p1")
     t_exit = time.time()
@@ -165,6 +168,9 @@ def test_kill_9_mid_exchange_is_survived_and_sigterm_withdraws_cleanly(harness, 
     os.kill(dht_pid, signal.SIGSTOP)
     h.interrupt("p0")
     h.wait_until(lambda: "stopping signal=SIGINT" in h.log("p0"), 10, "p0 to start its shutdown")
+    h.interrupt("p0")  # at once: the same request
+    time.sleep(1.5)    # an operator's second Ctrl+C, a moment later (the fault's timing, not a readiness wait)
+    assert h.child("p0").poll() is None, h.log("p0")
     h.interrupt("p0")
     assert h.wait_exit("p0", 10) == 130, h.log("p0")
     assert h.wait_tree_gone("p0", 10), h.leftovers("p0")

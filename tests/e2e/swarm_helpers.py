@@ -33,6 +33,7 @@ announce_ttl_s = {ttl_s}
 partner_deadline_s = {deadline_s}
 min_backoff_s = 3.0
 max_backoff_s = 8.0
+bandwidth_weighting = {bandwidth_weighting}
 [diloco]
 matchmaking_time_s = 2.0
 request_timeout_s = 1.0
@@ -46,10 +47,11 @@ overlap = {overlap}
 
 
 def write_config(h: Harness, *, ttl_s: float = 6.0, deadline_s: float = 1.2, inner_steps: int = 10,
-                 overlap: bool = False) -> Path:
+                 overlap: bool = False, bandwidth_weighting: bool = False) -> Path:
     path = h.run_dir / "peer.toml"
     path.write_text(PEER_TOML.format(run_id=RUN_ID, ttl_s=ttl_s, deadline_s=deadline_s, inner_steps=inner_steps,
-                                     overlap=str(overlap).lower()))
+                                     overlap=str(overlap).lower(),
+                                     bandwidth_weighting=str(bandwidth_weighting).lower()))
     return path
 
 

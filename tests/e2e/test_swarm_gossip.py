@@ -109,13 +109,16 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
 def test_kill_9_mid_exchange_is_survived_and_sigterm_withdraws_cleanly(harness, bootstrap):
     h = harness
     ttl_s = 8.0
-    cfg = write_config(h, ttl_s=ttl_s)
+    cfg = write_config(h, ttl_s=ttl_s, bandwidth_weighting=True)  # partners drawn by measured bandwidth, live
     names = ["p0", "p1", "p2"]
     ids = start_peers(h, names, bootstrap, cfg)
     h.wait_until(all_have(h, names, ok_rounds=3, partners=1), 120, "3 ok exchanges each", alive=tuple(names))
 
     live = Listing(h, bootstrap)
     assert set(ids.values()) <= set(live())
+    # each record carries the bandwidth its exchanges measured (what the others weigh it by)
+    h.wait_until(lambda: all(live().get(i, {}).get("bandwidth_bps", 0) > 0 for i in ids.values()), 10,
+                 "every record to carry a measured bandwidth", alive=tuple(names))
 
     # 1. kill -9 p2 while it offers its tensors (state "exchanging" in its record): its DHT child and p2pd
     #    must go too (death signal), the others must go on training without waiting past their deadlines

@@ -63,8 +63,9 @@ class StopSignals:
     """SIGINT/SIGTERM for a long-running command: the first asks for a clean shutdown, a later one for an exit at
     once. A repeat within `same_within_s` of the first is the same request: the kernel sends a parent-death signal
     (PR_SET_PDEATHSIG) each time a child passes from one thread of its dying multi-threaded parent to the next
-    (measured: 1-4 SIGTERMs within milliseconds when a parent with 4-8 threads was killed), so a `gasloc swarm`
-    killed with -9 could otherwise make its peers skip their clean shutdown and last checkpoint."""
+    (measured: 2-4 SIGTERMs, against 1 from a single-threaded parent, when a parent with 4-8 threads was killed with
+    -9), so a `gasloc swarm` killed with -9 could otherwise make its peers skip their clean shutdown and last
+    checkpoint."""
 
     def __init__(self, same_within_s: float = 1.0, clock=time.monotonic):
         self.same_within_s, self._clock = same_within_s, clock

@@ -9,7 +9,9 @@ small batches and H = 20 inner steps per round, so that one round's compute (abo
 transfer over a slow link (3.5 MB at 3 Mbit = 9.3 s): communication matters.
 
 Runs, one after another, each with a fresh bootstrap and fresh peers for the same wall-clock duration:
-  gasloc-bw   outer.algorithm=gasloc, swarm.bandwidth_weighting=true (partners drawn by measured bandwidth)
+  gasloc-bw   outer.algorithm=gasloc, bandwidth-aware: swarm.bandwidth_weighting=true (partners drawn by measured
+              bandwidth) and swarm.slower_link_ratio=3 (for the first half of each partner search, a peer passes
+              over, and answers busy to, peers whose last exchange with it ran over 3x slower than its best)
   gasloc      outer.algorithm=gasloc, uniform partner choice
   diloco      outer.algorithm=diloco: the exact mean over all live peers (hivemind DecentralizedAverager)
   gossip      (optional) outer.algorithm=gossip
@@ -44,7 +46,8 @@ import netlab  # noqa: E402  (bench/ is a directory of scripts, not a package)
 from hetero_report import RunResult, analyse_run, format_report, pick_target  # noqa: E402
 
 TAG = "ghx"
-RUNS = {  # name -> (outer.algorithm, swarm.bandwidth_weighting (None: not applicable), outer.overlap)
+SLOWER_LINK_RATIO = 3.0  # bandwidth-aware runs: the links here differ 10x, and rates vary ~1.5x with the load
+RUNS = {  # name -> (outer.algorithm, bandwidth-aware (None: not applicable), outer.overlap)
     "gasloc-bw": ("gasloc", True, False),
     "gasloc": ("gasloc", False, False),
     "diloco": ("diloco", None, False),
@@ -117,15 +120,16 @@ class Settings:
         return netlab.Node(f"p{i}", self.fast_mbit if i % 2 == 0 else self.slow_mbit)
 
 
-def _child_env(shard: tuple[int, int] | None = None, bandwidth_weighting: bool | None = None,
+def _child_env(shard: tuple[int, int] | None = None, bandwidth_aware: bool | None = None,
                overlap: bool = False) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GASLOC_")}
     # one thread per process: 7 processes (plus their DHT children) share the machine's cores
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GASLOC_LOG_LEVEL="INFO")
     if shard is not None:  # each peer trains on its own shard of the corpus
         env["GASLOC_DATA__SHARD_INDEX"], env["GASLOC_DATA__NUM_SHARDS"] = map(str, shard)
-    if bandwidth_weighting is not None:
-        env["GASLOC_SWARM__BANDWIDTH_WEIGHTING"] = "true" if bandwidth_weighting else "false"
+    if bandwidth_aware is not None:
+        env["GASLOC_SWARM__BANDWIDTH_WEIGHTING"] = "true" if bandwidth_aware else "false"
+        env["GASLOC_SWARM__SLOWER_LINK_RATIO"] = str(SLOWER_LINK_RATIO if bandwidth_aware else 0.0)
     if overlap:
         env["GASLOC_OUTER__OVERLAP"] = "true"
     return env

@@ -85,11 +85,13 @@ def mean_loss_curve(points_by_peer: dict[str, list[tuple[float, float]]], t0: fl
 
 def breakdown(events_by_peer: dict[str, list[dict]], groups: dict[str, set[str]], t0: float, t_end: float
               ) -> dict[str, dict[str, float]]:
-    """Per group of peers, the per-peer means of: rounds, inner steps, ok exchanges and seconds spent computing,
-    waiting for a partner/group, transferring, in the outer step, and the rest of the round (evaluation, ...)."""
+    """Per group of peers, the per-peer means of: rounds, inner steps, ok exchanges, slower peers passed over
+    (summed over rounds), and seconds spent computing, waiting for a partner/group, transferring, in the outer step,
+    and the rest of the round (evaluation, ...)."""
     out = {}
     for group, members in groups.items():
-        tot = {"rounds": 0.0, "inner_steps": 0.0, "ok": 0.0, "round_s": 0.0, **{p: 0.0 for p in PARTS}}
+        tot = {"rounds": 0.0, "inner_steps": 0.0, "ok": 0.0, "passed_over": 0.0, "round_s": 0.0,
+               **{p: 0.0 for p in PARTS}}
         for peer in members:
             for e in events_by_peer.get(peer, []):
                 if e.get("event") != "round" or not t0 <= float(e["time"]) <= t_end:
@@ -97,6 +99,7 @@ def breakdown(events_by_peer: dict[str, list[dict]], groups: dict[str, set[str]]
                 tot["rounds"] += 1
                 tot["inner_steps"] += e.get("inner_steps") or 0
                 tot["ok"] += e.get("outcome") == "ok"
+                tot["passed_over"] += e.get("passed_over") or 0
                 tot["round_s"] += e.get("round_s") or 0.0
                 for p in PARTS:
                     tot[p] += e.get(p) or 0.0
@@ -126,12 +129,17 @@ def pair_counts(events_by_peer: dict[str, list[dict]], fast: set[str], t0: float
 def analyse_run(name: str, algorithm: str, bandwidth_aware: bool | None, metrics: dict[str, Path],
                 fast: set[str], t0: float, t_end: float) -> RunResult:
     events = {peer: read_events(path) for peer, path in metrics.items()}
-    curve = mean_loss_curve({p: loss_points(ev) for p, ev in events.items()}, t0, t_end)
+    points = {p: loss_points(ev) for p, ev in events.items()}
+    curve = mean_loss_curve(points, t0, t_end)
     if not curve:
         missing = [p for p, ev in events.items() if not loss_points(ev)]
         raise ValueError(f"run {name}: no loss recorded by {missing} (see their logs next to metrics.jsonl)")
     groups = {"fast": set(fast) & set(events), "slow": set(events) - set(fast)}
-    return RunResult(name, algorithm, bandwidth_aware, t_end - t0, curve, breakdown(events, groups, t0, t_end),
+    split = breakdown(events, groups, t0, t_end)
+    for group, members in groups.items():   # the swarm mean hides how far each link class got
+        part = mean_loss_curve({p: points[p] for p in members}, t0, t_end)
+        split[group]["final_loss"] = part[-1][1] if part else None
+    return RunResult(name, algorithm, bandwidth_aware, t_end - t0, curve, split,
                      pair_counts(events, set(fast), t0, t_end) if algorithm != "diloco" else {}, t0)
 
 
@@ -181,25 +189,26 @@ def format_report(results: list[RunResult], target: float, settings: dict) -> tu
 
     lines.append("")
     lines.append("where a peer's round time went (per-peer means over the run; % of the run's round time):")
-    lines.append("| run | links | rounds | inner steps | ok exchanges | s/round | compute | wait | transfer | "
-                 "outer | eval+other |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("| run | links | final loss | rounds | inner steps | ok exchanges | s/round | compute | wait | "
+                 "transfer | outer | eval+other |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for group, b in r.breakdown.items():
             rs = b["round_s"] or 1.0
-            lines.append(f"| {r.name} | {group} | {b['rounds']:.1f} | {b['inner_steps']:.0f} | {b['ok']:.1f} | "
-                         f"{b['round_s'] / max(b['rounds'], 1):.2f} | "
+            lines.append(f"| {r.name} | {group} | {_fmt(b.get('final_loss'), '.4f')} | {b['rounds']:.1f} | "
+                         f"{b['inner_steps']:.0f} | {b['ok']:.1f} | {b['round_s'] / max(b['rounds'], 1):.2f} | "
                          + " | ".join(f"{100 * b[p] / rs:.0f}%" for p in (*PARTS, "other_s")) + " |")
 
     if any(r.pairs for r in results):  # DiLoCo has none: its groups of two (while peers join) are no pairing
         lines.append("")
-        lines.append("successful pairwise exchanges by the partners' links:")
-        lines.append("| run | fast-fast | fast-slow | slow-slow |")
-        lines.append("|---|---|---|---|")
+        lines.append("successful pairwise exchanges by the partners' links; slower peers a fast peer passed over "
+                     "(per fast peer, summed over its rounds):")
+        lines.append("| run | fast-fast | fast-slow | slow-slow | passed over |")
+        lines.append("|---|---|---|---|---|")
         for r in results:
             if r.pairs:
                 lines.append(f"| {r.name} | {r.pairs['fast-fast']:.0f} | {r.pairs['fast-slow']:.0f} | "
-                             f"{r.pairs['slow-slow']:.0f} |")
+                             f"{r.pairs['slow-slow']:.0f} | {r.breakdown.get('fast', {}).get('passed_over', 0):.1f} |")
 
     verdict = []
     for r in results:

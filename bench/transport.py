@@ -34,6 +34,7 @@ from gasloc.peer.hivemind_sockets import descendants, owned_sockets, remove
 WORKER = Path(__file__).with_name("transport_worker.py")
 METHODS = ("gasloc", "tcp", "hivemind_raw_stream", "hivemind_averager")
 LINKS = {"loopback": None, "100mbit": ("100mbit", "256kb"), "1gbit": ("1gbit", "1mb")}
+WARMUP_LINKS = ("loopback", "1gbit")   # 100mbit: a partner there stays below exchange.fast_link_bytes_per_s
 
 
 class BenchError(RuntimeError):
@@ -281,7 +282,9 @@ def parse_size(s: str) -> int:
 @click.option("--wires", default="float32,float16", show_default=True, help="wire dtypes (float32, float16)")
 @click.option("--methods", default=",".join(METHODS), show_default=True, help="comma-separated subset of methods")
 @click.option("--reps", default=3, show_default=True, help="timed repetitions per cell (the median is reported)")
-@click.option("--warmup", default=1, show_default=True, help="untimed runs per cell on loopback (page faults)")
+@click.option("--warmup", default=1, show_default=True,
+              help="untimed runs per cell on loopback and 1gbit (page faults; the stream count gasloc learns from "
+                   "its first exchange with a partner); none on 100mbit, where they cost most and teach nothing")
 @click.option("--quick", is_flag=True, help="25M only, loopback + 1gbit, 2 reps")
 @click.option("--uvloop", is_flag=True, help="run the workers' event loops on uvloop")
 @click.option("--max-streams", default=32, show_default=True, help="gasloc: parallel streams per exchange")
@@ -314,7 +317,7 @@ def main(sizes, links, wires, methods, reps, warmup, quick, uvloop, max_streams,
         try:
             for link in link_list:
                 rows += run_link(link, size_list, wire_list, method_list, reps,
-                                 warmup if link == "loopback" else 0, log_dir,
+                                 warmup if link in WARMUP_LINKS else 0, log_dir,
                                  ["--max-streams", str(max_streams)] + (["--uvloop"] if uvloop else []))
         except BenchError as e:
             raise click.ClickException(str(e)) from None

@@ -74,6 +74,13 @@ class SwarmConfig(_Section):
                                        "ready together and would otherwise pair again and again)")
     bandwidth_weighting: bool = Field(False, description="choose partners with probability proportional to "
                                       "their measured bandwidth instead of uniformly")
+    slower_link_ratio: float = Field(0.0, ge=0, description="for the first half of a partner search, pass over "
+                                     "and answer busy to peers whose last exchange with us ran over this many times "
+                                     "slower than our best recent one (fast peers pair with fast ones); 0: off")
+    slower_link_open_share: float = Field(0.25, ge=0, le=1, description="with slower_link_ratio: this share of "
+                                          "partner searches (drawn at random) passes over nobody, so peers on slow "
+                                          "links keep getting partners even when the fast ones always find each "
+                                          "other first")
     join_from_peers: bool = Field(True, description="a peer joining a running swarm (and not resuming a "
                                   "checkpoint) downloads the current parameters from a live peer")
     join_timeout_s: float = Field(120.0, gt=0, description="give up downloading the state after this long and "
@@ -85,9 +92,13 @@ class SwarmConfig(_Section):
     _run_id = field_validator("run_id")(check_run_id)
 
     @model_validator(mode="after")
-    def _backoff_order(self) -> "SwarmConfig":
+    def _orders_and_ratios(self) -> "SwarmConfig":
         if self.max_backoff_s < self.min_backoff_s:
             raise ValueError(f"max_backoff_s {self.max_backoff_s} is below min_backoff_s {self.min_backoff_s}")
+        if 0 < self.slower_link_ratio <= 1:
+            # a ratio of 1 or less would pass over peers as fast as we are, or faster
+            raise ValueError(f"slower_link_ratio {self.slower_link_ratio} must be above 1 (how many times slower a "
+                             f"peer's link must be to be passed over, e.g. 3), or 0 to turn it off")
         return self
 
 

@@ -41,6 +41,7 @@ from gasloc.protocol.averaging import mix
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_ERROR, EXIT_FORCED = 0, 1, 130
+LINK_DECAY = 0.9  # per exchange: a link estimate from 20 exchanges ago counts for 0.9^20 = 12%
 
 
 class PeerStartupError(RuntimeError):
@@ -189,7 +190,8 @@ class Peer:
             return DilocoAveraging(self.cfg, self.net, self.params, stopping=self.stopping,
                                    set_state=self._set_state)
         from gasloc.peer.gossip_swarm import GossipAveraging
-        return GossipAveraging(self.cfg, self.net, stopping=self.stopping, set_state=self._set_state)
+        return GossipAveraging(self.cfg, self.net, stopping=self.stopping, set_state=self._set_state,
+                               own_link=lambda: self.bandwidth_bps)
 
     def _resume_or_join(self) -> str | None:
         """Resume beats downloading: a checkpoint holds this peer's own inner-optimizer state and data position."""
@@ -330,7 +332,7 @@ class Peer:
             bytes_sent=ex.bytes_sent, bytes_received=ex.bytes_received, exchange_s=ex.exchange_s,
             consensus=consensus, compute_s=compute_s, wait_s=ex.wait_s, transfer_s=ex.transfer_s, outer_s=outer_s,
             round_s=round_s, tokens_per_s=self.throughput_tps, peak_mem_mb=peak_memory_mb(self.device),
-            attempts=ex.attempts, live_peers=self.live_count(), detail=ex.detail or None)
+            attempts=ex.attempts, passed_over=ex.passed_over, live_peers=self.live_count(), detail=ex.detail or None)
         log.info("round=%d loss=%.4f%s partner=%s outcome=%s MB=%.2f s=%.2f exchange_s=%.2f", self.round, loss,
                  f" val_loss={val_loss:.4f}" if val_loss is not None else "", _short(ex.partner), outcome,
                  (ex.bytes_sent + ex.bytes_received) / 1e6, round_s, ex.exchange_s)
@@ -359,9 +361,9 @@ class Peer:
 
     def _note_bandwidth(self, ex: RoundExchange) -> None:
         if ex.ok and ex.bytes_received and ex.exchange_s > 0:
-            # per-direction bytes/s of the last good exchange, smoothed: what partners weigh us by
-            bw = ex.bytes_received / ex.exchange_s
-            self.bandwidth_bps = bw if self.bandwidth_bps == 0 else 0.7 * self.bandwidth_bps + 0.3 * bw
+            # our link's estimate: the best per-direction rate of recent exchanges (an exchange runs at the slower
+            # partner's pace, so an average would call a fast peer slow after a few slow partners)
+            self.bandwidth_bps = max(ex.bytes_received / ex.exchange_s, LINK_DECAY * self.bandwidth_bps)
 
     def _settle_pending(self, evaluate_due: bool = True) -> tuple[RoundExchange, float | None, float | None]:
         """Overlap: end the previous round's background exchange (waiting, within its deadline, for one still

@@ -152,10 +152,12 @@ class Exchanger:
     """Serves and initiates exchanges of the currently offered tensors. Call every method from the event loop."""
 
     def __init__(self, cfg: ExchangeConfig, p2p: P2P, *, specs: Sequence[SpecLike], fingerprint: str,
-                 is_member: Callable[[PeerID], bool], namespace: str):
+                 is_member: Callable[[PeerID], bool], namespace: str,
+                 declines: Callable[[PeerID], str | None] = lambda peer_id: None):
         self.cfg, self.p2p = cfg, p2p
         self.specs = [s if isinstance(s, TensorSpec) else TensorSpec.of(*s) for s in specs]
         self.fingerprint, self.is_member = fingerprint, is_member
+        self.declines = declines       # partner policy: a reason to answer a valid caller busy, or None
         self.handler_name = f"{namespace}::gasloc.exchange.v{PROTOCOL_VERSION}"
         self.lane_name = f"{namespace}::gasloc.exchange-lane.v{PROTOCOL_VERSION}"
         self._lanes = LaneRegistry(hello_timeout_s=cfg.accept_timeout_s)
@@ -239,6 +241,10 @@ class Exchanger:
     def engaged(self) -> str | None:
         """"initiator:<peer>" or "responder:<peer>" while an exchange is in flight, else None."""
         return None if self._engagement is None else str(self._engagement)
+
+    def rate(self, partner: str) -> float:
+        """Bytes/s each way of our last successful exchange with `partner`; 0.0 if we never had one."""
+        return self._rates.get(partner, 0.0)
 
     async def wait_incoming(self, timeout: float) -> ExchangeResult | None:
         """The next finished exchange where we were the responder (any outcome), or None after `timeout` s."""
@@ -366,6 +372,9 @@ class Exchanger:
         if offer is None or offer.used or self._engagement is not None:
             return await self._reply(ch, partner, Code.BUSY, "no free offer" if self._engagement is None
                                      else "engaged in another exchange")
+        why = self.declines(peer_id)
+        if why:
+            return await self._reply(ch, partner, Code.BUSY, why)
         # accepted: from here until the finally, nobody else can engage us (no await between check and set)
         eng = self._engagement = _Engagement("responder", partner, asyncio.current_task())
         outcome, code, detail, tensors = Outcome.failed, None, "", None
@@ -390,11 +399,12 @@ class Exchanger:
         finally:
             self._engagement = None
             self._lanes.release(token)      # closes the lanes; `ch` is closed by _handle
-        if outcome is Outcome.ok:
-            offer.used = True
         r = ExchangeResult(outcome, partner, code, tensors if outcome is Outcome.ok else None,
                            sum(c.bytes_written for c in channels), sum(c.bytes_read for c in channels),
                            time.monotonic() - t0, detail, "responder", offer.round, request.round, len(channels))
+        if r.ok:
+            offer.used = True
+            self._remember_rate(partner, r)
         logger.log(logging.INFO if r.ok else logging.DEBUG, f"exchange {r.log_line()}")
         self._incoming.put_nowait(r)     # collected by wait_incoming() or withdraw()
 

@@ -4,9 +4,10 @@ One round, as this peer sees it:
   1. offer our outgoing tensors to the Exchanger and announce state "exchanging" (others now may call us);
   2. until swarm.partner_deadline_s passes: take an incoming exchange if one finished; else pick a random partner
      among the live peers in state "exchanging" (uniform, or weighted by measured bandwidth), skipping those in
-     backoff (and, in the first half of the search, our most recent partner), and call it. BUSY -> a short
-     cooldown for that partner and a random pause (two peers that called each other at the same moment both got
-     BUSY); timeout/failed/rejected -> exponential backoff;
+     backoff (and, in the first half of the search, our most recent partner and, with swarm.slower_link_ratio,
+     peers on much slower links, whom we also answer BUSY then, except in a random share of searches), and call
+     it. BUSY -> a short cooldown for that partner and a random pause (two peers that called each other at the
+     same moment both got BUSY); timeout/failed/rejected -> exponential backoff;
   3. withdraw the offer. An incoming exchange that completed meanwhile is still used: the partner mixed with us,
      so we mix with it too (that keeps the pair's mean).
 No partner by the deadline, or no other live peer at all, is a solo round. An exchange already running when the
@@ -35,7 +36,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from gasloc.peer.exchange import ExchangeResult, Exchanger, Outcome
-from gasloc.peer.partners import Backoff, peers_to_avoid, pick_partner
+from gasloc.peer.partners import Backoff, peers_to_avoid, pick_partner, slower_peers
 from gasloc.peer.round_report import RoundExchange
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,12 @@ class Background:
 
 
 class GossipAveraging:
-    def __init__(self, cfg, net, *, stopping, set_state: Callable[[str], None]):
+    def __init__(self, cfg, net, *, stopping, set_state: Callable[[str], None],
+                 own_link: Callable[[], float] = lambda: 0.0):
         self.cfg, self.net, self.stopping, self.set_state = cfg, net, stopping, set_state
+        self.own_link = own_link     # our link's estimated bytes/s (0: not measured yet)
+        self._search: tuple[float, float] | None = None   # (start, window) of a search passing over slower links
+        self._passed: set[str] = set()                     # ready peers that search passed over (slower links)
         sw = cfg.swarm
         self.backoff = Backoff(sw.min_backoff_s, sw.max_backoff_s, sw.busy_cooldown_s)
         self.rng = random.Random()  # partner choice must differ between peers: seeded from the OS
@@ -66,7 +71,8 @@ class GossipAveraging:
 
     def start(self, specs: list[tuple[tuple[int, ...], torch.dtype]], fingerprint: str) -> None:
         self.exchanger = Exchanger(self.cfg.exchange, self.net.p2p, specs=specs, fingerprint=fingerprint,
-                                   is_member=self.net.is_member, namespace=self.cfg.swarm.run_id)
+                                   is_member=self.net.is_member, namespace=self.cfg.swarm.run_id,
+                                   declines=self._declines)
         self.net.aio.run(self.exchanger.start(), self.cfg.network.startup_timeout_s)
 
     def average(self, sent: list[torch.Tensor], round: int, live_count: Callable[[], int]) -> RoundExchange:
@@ -85,6 +91,22 @@ class GossipAveraging:
         pending.cut.set()
         return self._result(pending.future, pending.round)
 
+    def _slower(self, peers, now: float) -> set[str]:
+        """The peers among `peers` to pass over right now for being on slower links: judged by the rate of our
+        own last exchange with each (a peer we never exchanged with is given the benefit of the doubt)."""
+        if self._search is None:
+            return set()
+        start, window = self._search
+        rates = {p: self.exchanger.rate(p) for p in peers}
+        return slower_peers(self.own_link(), rates, now - start, window, ratio=self.cfg.swarm.slower_link_ratio)
+
+    def _declines(self, peer_id: PeerID) -> str | None:
+        """The exchanger asks before accepting a caller: why to answer it busy, or None to accept."""
+        if self._slower([str(peer_id)], time.monotonic()):
+            self._passed.add(str(peer_id))
+            return "waiting for a partner on a link like ours"
+        return None
+
     def _result(self, fut: concurrent.futures.Future, round: int) -> RoundExchange:
         limit = self.cfg.swarm.partner_deadline_s + self.cfg.exchange.exchange_timeout_s + 10
         try:
@@ -102,6 +124,9 @@ class GossipAveraging:
         deadline = t0 + sw.partner_deadline_s
         window_s = sw.partner_deadline_s if cut is None else max(window_s, sw.partner_deadline_s)
         report = RoundExchange()
+        # a share of searches is open to every link (see SwarmConfig.slower_link_open_share)
+        picky = sw.slower_link_ratio > 0 and self.rng.random() >= sw.slower_link_open_share
+        self._search, self._passed = ((t0, window_s) if picky else None), set()
         ex.offer(sent, round)
         self.set_state("exchanging")  # offer first: whoever sees the announcement may call us at once
         try:
@@ -121,7 +146,10 @@ class GossipAveraging:
                 ready = self.net.ready_peers()
                 self.backoff.forget_absent(self.net.live)
                 others = [p for p in self.net.live if not self.backoff.blocked(p, now)]
-                avoid = peers_to_avoid(self.recent, others, now - t0, window_s)
+                slower = self._slower(others, now)
+                self._passed |= slower & ready.keys()
+                # a recent partner is passed over only while someone else we would take may become ready
+                avoid = peers_to_avoid(self.recent, set(others) - slower, now - t0, window_s) | slower
                 partner = pick_partner({p: r.bandwidth_bps for p, r in ready.items()}, self.backoff, now, self.rng,
                                        weighted=sw.bandwidth_weighting, avoid=avoid)
                 if partner is None:
@@ -146,12 +174,14 @@ class GossipAveraging:
                     log.info("round=%d partner=%s outcome=%s backoff_s=%.1f detail=%s", round, partner,
                              res.outcome.value, delay, res.detail)
         finally:
+            self._search = None
             for res in await ex.withdraw():
                 if res.ok and not report.ok:
                     self._take(res, report)
             if cut is not None:
                 self.set_state("training")  # the search is over; our inner steps are running
         report.wait_s = time.monotonic() - t0 - report.transfer_s
+        report.passed_over = len(self._passed)
         return report
 
     def _take(self, res: ExchangeResult | None, report: RoundExchange) -> bool:

@@ -11,10 +11,11 @@ Events (one JSON object per line, each with "event" and "time" = Unix seconds):
          ||own|| with theirs = the partner's tensors, or for DiLoCo the group mean; null without an ok exchange),
          the round's time split compute_s (inner steps) / wait_s (looking for a partner, failed attempts
          included) / transfer_s (the successful exchange) / outer_s (mix + outer update), round_s, tokens_per_s,
-         peak_mem_mb (CUDA: max allocated; CPU: peak RSS), attempts, live_peers, detail. With outer.overlap the
-         exchange fields describe the previous round's exchange (it ran during this round's inner steps): wait_s
-         is how long this round then waited for it, transfer_s is 0; val_loss is the previous round's model with
-         that exchange's mix added (the point a plain round evaluates)
+         peak_mem_mb (CUDA: max allocated; CPU: peak RSS), attempts, passed_over (ready peers on much slower
+         links the search did not ask or answered busy, swarm.slower_link_ratio), live_peers, detail. With
+         outer.overlap the exchange fields describe the previous round's exchange (it ran during this round's
+         inner steps): wait_s is how long this round then waited for it, transfer_s is 0; val_loss is the previous
+         round's model with that exchange's mix added (the point a plain round evaluates)
   resync peer_id, absent_s (how long the process was stopped), joined_from (donor), from_round, round (the
          donor's), val_loss (after the download): a peer back from a long stop took over the swarm's state
   stop   peer_id, round, reason (finished | SIGINT | SIGTERM | startup_failed)

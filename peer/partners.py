@@ -71,6 +71,26 @@ def pick_partner(ready: Mapping[str, float], backoff: Backoff, now: float, rng: 
     return choose_partner(candidate_weights(avail, weighted=weighted), rng)
 
 
+def slower_peers(own_bps: float, pair_bps: Mapping[str, float], elapsed_s: float, window_s: float, *,
+                 ratio: float) -> set[str]:
+    """Peers to pass over (and answer busy to) for the first half of the partner search because our last exchange
+    with them ran over `ratio` times slower than our link (`own_bps`: our best recent exchange rate). Empty when
+    `ratio` is 0, in the second half, or for a peer we never exchanged with (rate 0).
+
+    Why: an exchange runs at the slower link's pace, so a fast peer that pairs with a slow one spends the slow
+    link's time (measured: 13 s instead of 1.3 s on the hetero bench). A like partner that becomes ready within half
+    the search is worth waiting for; after that anyone is. That alone does not keep the link classes mixing: two
+    fast peers that pair finish together and find each other at once, every round, so the caller also leaves a
+    share of its searches open to all (swarm.slower_link_open_share). Only the faster side declines: to a slow peer
+    every partner is as good as another. The judgement rests on our own exchanges, not on what a peer says of
+    itself: a fast peer that happened to meet only slow partners has measured only slow rates, and would be passed
+    over for good if others believed its own estimate (seen on the hetero bench with published estimates).
+    """
+    if ratio <= 0 or own_bps <= 0 or elapsed_s >= window_s / 2:
+        return set()
+    return {p for p, b in pair_bps.items() if 0 < b * ratio < own_bps}
+
+
 def peers_to_avoid(recent: Iterable[str], live: Iterable[str], elapsed_s: float, deadline_s: float) -> set[str]:
     """Recent partners to pass over for the first half of the partner search (`live`: the peers we could ask now,
     i.e. listed and not in backoff).

@@ -28,6 +28,7 @@ class RoundExchange:
     exchange_s: float = 0.0      # the reported attempt (the successful one, else the last failed one)
     wait_s: float = 0.0          # looking for a partner: from ready until the reported attempt started
     attempts: int = 0
+    passed_over: int = 0         # ready peers on much slower links not asked or answered busy (slower_link_ratio)
     detail: str = ""
     overlapped: bool = False     # outer.overlap: it ran during the next round's inner steps (no transfer time)
 

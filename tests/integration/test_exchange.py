@@ -29,11 +29,11 @@ def tensors(seed, shapes=SHAPES):
     return [torch.randn(s, generator=g) for s in shapes]
 
 
-def exchanger(p2p, shapes=SHAPES, members=None, **cfg):
+def exchanger(p2p, shapes=SHAPES, members=None, declines=lambda peer: None, **cfg):
     cfg.setdefault("exchange_timeout_s", 10.0)
     return Exchanger(ExchangeConfig(**cfg), p2p, specs=[(s, torch.float32) for s in shapes], fingerprint=FP,
                      is_member=(lambda peer: True) if members is None else (lambda peer: str(peer) in members),
-                     namespace=NS)
+                     namespace=NS, declines=declines)
 
 
 def assert_unchanged(offered, saved):
@@ -122,6 +122,25 @@ def test_busy_without_offer_and_simultaneous_calls():
                 assert r3.ok
             responder = eb if r1.ok or outcomes == ["busy", "busy"] else ea
             assert (await responder.wait_incoming(5)).ok
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_declined_caller_gets_busy_with_the_reason_and_both_sides_learn_the_rate():
+    async def main():
+        async with p2p_nodes(2) as (a, b):
+            declining = {"on": True}
+            ea = exchanger(a, declines=lambda peer: "waiting for a like link" if declining["on"] else None)
+            eb = exchanger(b)
+            await ea.start(), await eb.start()
+            ea.offer(tensors(1), 0), eb.offer(tensors(2), 0)
+            assert ea.rate(str(b.peer_id)) == eb.rate(str(a.peer_id)) == 0.0
+            res = await eb.exchange(a.peer_id)
+            assert res.outcome is Outcome.busy and res.code == Code.BUSY and "like link" in res.detail
+            assert await ea.wait_incoming(0.2) is None         # declining used nothing: the offer is still free
+            declining["on"] = False
+            assert (await eb.exchange(a.peer_id)).ok and (await ea.wait_incoming(5)).ok
+            assert ea.rate(str(b.peer_id)) > 0 and eb.rate(str(a.peer_id)) > 0    # responder and initiator
     arun(main())
 
 

@@ -52,6 +52,7 @@ def test_analyse_target_and_report(tmp_path):
     assert fast.pairs == {"fast-fast": 0.0, "fast-slow": 1.5, "slow-slow": 0.0}  # the t=200 round is after t_end
     assert fast.breakdown["fast"]["rounds"] == 2 and fast.breakdown["slow"]["ok"] == 1
     assert fast.breakdown["fast"]["other_s"] == pytest.approx(2 * 0.4)  # per-peer totals over the run
+    assert (fast.breakdown["fast"]["final_loss"], fast.breakdown["slow"]["final_loss"]) == (3.0, 4.0)
     slow = hr.RunResult("diloco", "diloco", None, 98.0, [(0.0, 6.0), (50.0, 4.0), (90.0, 3.9)])
     target = hr.pick_target([fast, slow], 0.05)
     assert target == pytest.approx(3.95)
@@ -63,6 +64,7 @@ def test_analyse_target_and_report(tmp_path):
     assert rows["gasloc"]["ratio_to_diloco"] == pytest.approx(6 / 90, abs=1e-3)
     assert rows["diloco"]["bandwidth_aware"] is None
     assert "gasloc: 0.07x DiLoCo's time -> met" in text
+    assert "| gasloc | slow | 4.0000 | 2.0 |" in text
 
 
 def test_run_without_losses_is_an_error(tmp_path):

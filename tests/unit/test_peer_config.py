@@ -41,6 +41,8 @@ def test_precedence_toml_then_env_then_flags(tmp_path):
     ("[swarm]\nannounce_ttl_s = 0.1\n", {}, "'swarm.announce_ttl_s'"),
     ("[swarm]\nrun_id = \"a.b\"\n", {}, "run_id must be 1-64 letters"),
     ("[swarm]\nmin_backoff_s = 10\nmax_backoff_s = 5\n", {}, "max_backoff_s 5.0 is below min_backoff_s 10.0"),
+    ("", {"GASLOC_SWARM__SLOWER_LINK_RATIO": "0.5"}, "slower_link_ratio 0.5 must be above 1"),
+    ("[swarm]\nslower_link_open_share = 2\n", {}, "'swarm.slower_link_open_share'"),
     ("[diloco]\nmatchmaking_time_s = 2\nrequest_timeout_s = 3\n", {}, "request_timeout_s must be below"),
     ("[outer]\nalgorithm = \"local\"\n", {}, "never communicates"),
     ("[run]\ndevice = \"tpu\"\n", {}, "'run.device'"),

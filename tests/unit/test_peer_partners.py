@@ -80,3 +80,14 @@ def test_recent_partners_are_passed_over_only_early_and_only_when_someone_else_e
     rng = random.Random(0)
     picks = {pick_partner({"a": 1.0, "b": 1.0}, b, 0.0, rng, weighted=False, avoid={"a"}) for _ in range(50)}
     assert picks == {"b"}
+
+
+def test_slower_peers_are_passed_over_by_the_faster_side_only_early_and_only_once_met():
+    from gasloc.peer.partners import slower_peers
+    links = {"fast": 3e6, "slow": 0.25e6, "new": 0.0, "2x": 1.5e6}
+    assert slower_peers(3e6, links, elapsed_s=1.0, window_s=10.0, ratio=3.0) == {"slow"}
+    assert slower_peers(3e6, links, elapsed_s=5.0, window_s=10.0, ratio=3.0) == set()    # second half: anyone
+    assert slower_peers(0.25e6, links, elapsed_s=1.0, window_s=10.0, ratio=3.0) == set()  # the slow side takes all
+    assert slower_peers(0.0, links, elapsed_s=1.0, window_s=10.0, ratio=3.0) == set()     # we have not measured
+    assert slower_peers(3e6, links, elapsed_s=1.0, window_s=10.0, ratio=0.0) == set()     # off
+    assert slower_peers(3e6, links, elapsed_s=1.0, window_s=10.0, ratio=1.5) == {"slow", "2x"}

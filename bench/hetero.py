@@ -11,7 +11,8 @@ transfer over a slow link (3.5 MB at 3 Mbit = 9.3 s): communication matters.
 Runs, one after another, each with a fresh bootstrap and fresh peers for the same wall-clock duration:
   gasloc-bw   outer.algorithm=gasloc, bandwidth-aware: swarm.bandwidth_weighting=true (partners drawn by measured
               bandwidth) and swarm.slower_link_ratio=3 (for the first half of each partner search, a peer passes
-              over, and answers busy to, peers whose last exchange with it ran over 3x slower than its best)
+              over, and answers busy to, peers whose last exchange with it ran over 3x slower than its best;
+              until it has seen such a peer, it tries peers it never exchanged with first)
   gasloc      outer.algorithm=gasloc, uniform partner choice
   diloco      outer.algorithm=diloco: the exact mean over all live peers (hivemind DecentralizedAverager)
   gossip      (optional) outer.algorithm=gossip

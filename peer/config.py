@@ -76,7 +76,9 @@ class SwarmConfig(_Section):
                                       "their measured bandwidth instead of uniformly")
     slower_link_ratio: float = Field(0.0, ge=0, description="for the first half of a partner search, pass over "
                                      "and answer busy to peers whose last exchange with us ran over this many times "
-                                     "slower than our best recent one (fast peers pair with fast ones); 0: off")
+                                     "slower than our best recent one (fast peers pair with fast ones); while "
+                                     "none of our measured rates is that much slower, try peers we never "
+                                     "exchanged with first; 0: off")
     slower_link_open_share: float = Field(0.25, ge=0, le=1, description="with slower_link_ratio: this share of "
                                           "partner searches (drawn at random) passes over nobody, so peers on slow "
                                           "links keep getting partners even when the fast ones always find each "

@@ -5,8 +5,8 @@ One round, as this peer sees it:
   2. until swarm.partner_deadline_s passes: take an incoming exchange if one finished; else pick a random partner
      among the live peers in state "exchanging" (uniform, or weighted by measured bandwidth), skipping those in
      backoff (and, in the first half of the search, our most recent partner and, with swarm.slower_link_ratio,
-     peers on much slower links, whom we also answer BUSY then, except in a random share of searches), and call
-     it. BUSY -> a short cooldown for that partner and a random pause (two peers that called each other at the
+     peers on much slower links, whom we also answer BUSY then, except in a random share of searches; until we
+     have told link classes apart, that rule tries peers we never exchanged with first), and call it. BUSY -> a short cooldown for that partner and a random pause (two peers that called each other at the
      same moment both got BUSY); timeout/failed/rejected -> exponential backoff;
   3. withdraw the offer. An incoming exchange that completed meanwhile is still used: the partner mixed with us,
      so we mix with it too (that keeps the pair's mean).
@@ -36,7 +36,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from gasloc.peer.exchange import ExchangeResult, Exchanger, Outcome
-from gasloc.peer.partners import Backoff, peers_to_avoid, pick_partner, slower_peers
+from gasloc.peer.partners import Backoff, peers_to_avoid, peers_to_explore, pick_partner, slower_peers
 from gasloc.peer.round_report import RoundExchange
 
 log = logging.getLogger(__name__)
@@ -91,18 +91,21 @@ class GossipAveraging:
         pending.cut.set()
         return self._result(pending.future, pending.round)
 
-    def _slower(self, peers, now: float) -> set[str]:
-        """The peers among `peers` to pass over right now for being on slower links: judged by the rate of our
-        own last exchange with each (a peer we never exchanged with is given the benefit of the doubt)."""
+    def _link_view(self, peers, now: float) -> tuple[set[str], set[str]]:
+        """For a search that passes over slower links, right now: (the peers among `peers` to pass over for being on
+        much slower links, the ones to try first because we never exchanged with them and cannot yet tell link
+        classes apart). Judged by the rate of our own last exchange with each; both empty in an open search."""
         if self._search is None:
-            return set()
+            return set(), set()
         start, window = self._search
         rates = {p: self.exchanger.rate(p) for p in peers}
-        return slower_peers(self.own_link(), rates, now - start, window, ratio=self.cfg.swarm.slower_link_ratio)
+        args = (self.own_link(), rates, now - start, window)
+        ratio = self.cfg.swarm.slower_link_ratio
+        return slower_peers(*args, ratio=ratio), peers_to_explore(*args, ratio=ratio)
 
     def _declines(self, peer_id: PeerID) -> str | None:
         """The exchanger asks before accepting a caller: why to answer it busy, or None to accept."""
-        if self._slower([str(peer_id)], time.monotonic()):
+        if self._link_view([str(peer_id)], time.monotonic())[0]:
             self._passed.add(str(peer_id))
             return "waiting for a partner on a link like ours"
         return None
@@ -146,10 +149,12 @@ class GossipAveraging:
                 ready = self.net.ready_peers()
                 self.backoff.forget_absent(self.net.live)
                 others = [p for p in self.net.live if not self.backoff.blocked(p, now)]
-                slower = self._slower(others, now)
+                slower, explore = self._link_view(others, now)
                 self._passed |= slower & ready.keys()
                 # a recent partner is passed over only while someone else we would take may become ready
                 avoid = peers_to_avoid(self.recent, set(others) - slower, now - t0, window_s) | slower
+                if explore:  # only unmeasured peers until one of them is ready or the first half is over
+                    avoid |= set(others) - explore
                 partner = pick_partner({p: r.bandwidth_bps for p, r in ready.items()}, self.backoff, now, self.rng,
                                        weighted=sw.bandwidth_weighting, avoid=avoid)
                 if partner is None:

@@ -111,9 +111,10 @@ def test_cleanup_after_sigkill_of_the_benchmark(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_bandwidth_aware_fast_peers_pass_over_the_slow_one_which_still_gets_partners(tmp_path):
-    """The bandwidth-aware run on 2 fast peers (p0, p2) and a slow one (p1): once the fast peers have met the slow
-    one, they pass it over early in their searches; the slow peer still gets partners (in the searches left open to
-    all, and late in the others), and every peer learns."""
+    """The bandwidth-aware run on 2 fast peers (p0, p2) and a slow one (p1): the fast peers try each other while
+    they cannot tell the links apart, and once they have met both, they pass the slow one over early in their
+    searches; the slow peer still gets partners (in the searches left open to all, and late in the others), and
+    every peer learns."""
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, str(BENCH / "hetero.py"), "--peers", "3", "--runs", "gasloc-bw",
                         "--duration-s", "60", "--out-dir", str(out), "--json", str(tmp_path / "h.json")],

@@ -91,3 +91,17 @@ def test_slower_peers_are_passed_over_by_the_faster_side_only_early_and_only_onc
     assert slower_peers(0.0, links, elapsed_s=1.0, window_s=10.0, ratio=3.0) == set()     # we have not measured
     assert slower_peers(3e6, links, elapsed_s=1.0, window_s=10.0, ratio=0.0) == set()     # off
     assert slower_peers(3e6, links, elapsed_s=1.0, window_s=10.0, ratio=1.5) == {"slow", "2x"}
+
+
+def test_unmeasured_peers_are_tried_first_until_a_slower_class_is_in_sight():
+    from gasloc.peer.partners import peers_to_explore
+    alike = {"met": 0.25e6, "new": 0.0, "other": 0.0}    # a fast peer that has met only a slow one so far
+    assert peers_to_explore(0.25e6, alike, elapsed_s=1.0, window_s=10.0, ratio=3.0) == {"new", "other"}
+    assert peers_to_explore(0.25e6, alike, elapsed_s=5.0, window_s=10.0, ratio=3.0) == set()   # second half: anyone
+    assert peers_to_explore(0.25e6, alike, elapsed_s=1.0, window_s=10.0, ratio=0.0) == set()   # off
+    assert peers_to_explore(0.0, {"a": 0.0, "b": 0.0}, 1.0, 10.0, ratio=3.0) == {"a", "b"}    # nothing measured yet
+    # once our best exchange ran over 3x faster than one partner, slower_peers decides: no more exploring
+    told_apart = {"slow": 0.25e6, "fast": 3e6, "new": 0.0}
+    assert peers_to_explore(3e6, told_apart, elapsed_s=1.0, window_s=10.0, ratio=3.0) == set()
+    # within the ratio the rates still look alike: keep exploring
+    assert peers_to_explore(0.6e6, {"a": 0.25e6, "new": 0.0}, 1.0, 10.0, ratio=3.0) == {"new"}

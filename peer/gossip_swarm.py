@@ -6,8 +6,9 @@ One round, as this peer sees it:
      among the live peers in state "exchanging" (uniform, or weighted by measured bandwidth), skipping those in
      backoff (and, in the first half of the search, our most recent partner and, with swarm.slower_link_ratio,
      peers on much slower links, whom we also answer BUSY then, except in a random share of searches; until we
-     have told link classes apart, that rule tries peers we never exchanged with first), and call it. BUSY -> a short cooldown for that partner and a random pause (two peers that called each other at the
-     same moment both got BUSY); timeout/failed/rejected -> exponential backoff;
+     have told link classes apart, that rule tries peers we never exchanged with first), and call it.
+     BUSY -> a short cooldown for that partner and a random pause (two peers that called each other at the same
+     moment both got BUSY); timeout/failed/rejected -> exponential backoff;
   3. withdraw the offer. An incoming exchange that completed meanwhile is still used: the partner mixed with us,
      so we mix with it too (that keeps the pair's mean).
 No partner by the deadline, or no other live peer at all, is a solo round. An exchange already running when the

@@ -105,9 +105,7 @@ def peers_to_explore(own_bps: float, pair_bps: Mapping[str, float], elapsed_s: f
     with 2 fast and 2 slow (1 of 5 runs: every pair fast-slow, in lockstep). Trying an unmeasured peer first is how
     the classes get told apart; a slow peer, to which every rate looks alike, simply keeps meeting new partners.
     """
-    if ratio <= 0 or elapsed_s >= window_s / 2:
-        return set()
-    if any(0 < b * ratio < own_bps for b in pair_bps.values()):
+    if ratio <= 0 or elapsed_s >= window_s / 2 or slower_peers(own_bps, pair_bps, elapsed_s, window_s, ratio=ratio):
         return set()
     return {p for p, b in pair_bps.items() if b <= 0}
 

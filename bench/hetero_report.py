@@ -132,7 +132,7 @@ def analyse_run(name: str, algorithm: str, bandwidth_aware: bool | None, metrics
     points = {p: loss_points(ev) for p, ev in events.items()}
     curve = mean_loss_curve(points, t0, t_end)
     if not curve:
-        missing = [p for p, ev in events.items() if not loss_points(ev)]
+        missing = [p for p, pts in points.items() if not pts]
         raise ValueError(f"run {name}: no loss recorded by {missing} (see their logs next to metrics.jsonl)")
     groups = {"fast": set(fast) & set(events), "slow": set(events) - set(fast)}
     split = breakdown(events, groups, t0, t_end)

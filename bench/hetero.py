@@ -17,6 +17,8 @@ Runs, one after another, each with a fresh bootstrap and fresh peers for the sam
   diloco      outer.algorithm=diloco: the exact mean over all live peers (hivemind DecentralizedAverager)
   gossip      (optional) outer.algorithm=gossip
   gasloc-overlap  (optional) gasloc with outer.overlap=true: each exchange runs during the next round's inner steps
+  gasloc-bw-k0, gasloc-k0  (optional) gasloc-bw and gasloc with outer.mix_momentum=0: outer momentum carries only
+              each peer's own progress, a mix moves the model once (to the pair's mean) and no further
 
 The swarm's mean validation loss at time t is the mean over peers of each peer's latest val_loss at or before t
 (the start event's initial_loss counts as its first). The clock of a run starts when every peer has printed READY.
@@ -48,12 +50,14 @@ from hetero_report import RunResult, analyse_run, format_report, pick_target  # 
 
 TAG = "ghx"
 SLOWER_LINK_RATIO = 3.0  # bandwidth-aware runs: the links here differ 10x, and rates vary ~1.5x with the load
-RUNS = {  # name -> (outer.algorithm, bandwidth-aware (None: not applicable), outer.overlap)
-    "gasloc-bw": ("gasloc", True, False),
-    "gasloc": ("gasloc", False, False),
-    "diloco": ("diloco", None, False),
-    "gossip": ("gossip", False, False),
-    "gasloc-overlap": ("gasloc", False, True),
+RUNS = {  # name -> (outer.algorithm, bandwidth-aware (None: not applicable), further [outer] settings)
+    "gasloc-bw": ("gasloc", True, {}),
+    "gasloc": ("gasloc", False, {}),
+    "diloco": ("diloco", None, {}),
+    "gossip": ("gossip", False, {}),
+    "gasloc-overlap": ("gasloc", False, {"overlap": "true"}),
+    "gasloc-bw-k0": ("gasloc", True, {"mix_momentum": "0"}),
+    "gasloc-k0": ("gasloc", False, {"mix_momentum": "0"}),
 }
 DEFAULT_RUNS = ("gasloc-bw", "gasloc", "diloco")
 
@@ -122,7 +126,7 @@ class Settings:
 
 
 def _child_env(shard: tuple[int, int] | None = None, bandwidth_aware: bool | None = None,
-               overlap: bool = False) -> dict[str, str]:
+               outer: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GASLOC_")}
     # one thread per process: 7 processes (plus their DHT children) share the machine's cores
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GASLOC_LOG_LEVEL="INFO")
@@ -131,8 +135,8 @@ def _child_env(shard: tuple[int, int] | None = None, bandwidth_aware: bool | Non
     if bandwidth_aware is not None:
         env["GASLOC_SWARM__BANDWIDTH_WEIGHTING"] = "true" if bandwidth_aware else "false"
         env["GASLOC_SWARM__SLOWER_LINK_RATIO"] = str(SLOWER_LINK_RATIO if bandwidth_aware else 0.0)
-    if overlap:
-        env["GASLOC_OUTER__OVERLAP"] = "true"
+    for key, value in (outer or {}).items():
+        env[f"GASLOC_OUTER__{key.upper()}"] = value
     return env
 
 
@@ -140,7 +144,7 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
     """One swarm: bootstrap + peers for s.duration_s after all are READY; returns its metrics, analysed."""
     from gasloc.procs import gasloc_argv
 
-    algorithm, bw, overlap = RUNS[name]
+    algorithm, bw, outer = RUNS[name]
     run_dir = out / name
     run_id = f"hetero-{name}-{os.getpid()}"
     names = [f"{name}/boot"] + [f"{name}/p{i}" for i in range(s.peers)]
@@ -157,7 +161,7 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
                                "--run-dir", str(run_dir / node), "--host-maddrs", f"/ip4/{star.ip(node)}/tcp/0",
                                "--initial-peers", boot_maddr, "--no-checkpoint")
             peers.append(sup.start(names[i + 1], star.exec_argv(node, argv), run_dir / f"{node}.log",
-                                   env=_child_env((i, s.peers), bw, overlap)))
+                                   env=_child_env((i, s.peers), bw, outer)))
         for p in peers:
             sup.wait_ready(p, s.ready_timeout_s)
         t0 = time.time()

@@ -47,6 +47,10 @@ class OuterConfig(BaseModel):
                                    "0.9 (noloco 0.5, gossip 0)")
     mix_weight: float | None = Field(None, gt=0, le=1, description="weight w per partner in z = x - sum w (x - "
                                      "x_j); default: the uniform mean of the group (1/2 with one partner)")
+    mix_momentum: float = Field(1.0, ge=0, le=1, description="kappa (form C): the share of each round's mixing "
+                                "correction z - y that the outer momentum carries into later rounds; 1 = form C "
+                                "(equals DiLoCo on the complete graph), 0 = momentum on the local progress only, "
+                                "the mix applied once; the swarm mean follows DiLoCo's path for every value")
     overlap: bool = Field(False, description="one-round-delayed mixing (gasloc, gossip): each round applies its "
                           "outer step at once as if solo and adds the partner's contribution when the exchange "
                           "lands, so the exchange runs during the next round's inner steps; more tokens/s, some "
@@ -57,6 +61,10 @@ class OuterConfig(BaseModel):
         if self.algorithm == "gossip" and (self.outer_lr not in (None, 1.0) or self.momentum not in (None, 0.0)):
             raise ValueError("algorithm 'gossip' is GASLoC with outer_lr=1 and momentum=0; use 'gasloc' to set "
                              "other values")
+        if self.mix_momentum != 1.0 and (self.algorithm != "gasloc" or self.form != "C"):
+            raise ValueError(f"outer.mix_momentum is defined for gasloc form C, not {self.algorithm!r}"
+                             + (f" form {self.form!r}" if self.algorithm == "gasloc" else "")
+                             + "; remove it or use algorithm 'gasloc' with form 'C'")
         if self.overlap and self.algorithm not in ("gasloc", "gossip"):
             raise ValueError(f"overlap (one-round-delayed mixing) is defined for gasloc and gossip, not "
                              f"{self.algorithm!r}; remove outer.overlap or change the algorithm")
@@ -131,10 +139,17 @@ class GASLoC(OuterUpdate):
         y = anchor + eta (theta - anchor)                        post-local-update point
         A: send y; z = mix(y); theta = z + gamma (y - y_prev)
         B: u = y + gamma (y - y_prev); send u; theta = mix(u)
-        C: send y; z = mix(y); theta = z + gamma (z - z_prev); z_prev = z
+        C: send y; z = mix(y); theta = z + gamma (z - z_prev - (1 - kappa) (z - y)); z_prev = z
         y_prev = y;  y_prev and z_prev start at theta_0
 
     A solo round (mixed = sent) still applies the momentum. With gamma=0, eta=1 this is gossip-AdamW.
+
+    kappa (outer.mix_momentum, form C only; 1 is the form as published): with v = z - z_prev - (1 - kappa)(z - y),
+    v_t = gamma v_{t-1} + eta g_t + kappa (z_t - y_t), where g is the inner drift and z - y the mixing correction.
+    kappa = 1 lets momentum extrapolate the correction (1 + gamma = 1.9x of it at once, 1 / (1 - gamma) = 10x in
+    all): that is what speeds up consensus on a ring, and what overshoots toward a partner whose model drifted far
+    away (docs/hetero-results.md). Every kappa keeps the swarm mean on DiLoCo's path, since the corrections of a
+    mix sum to zero over the swarm.
     """
 
     @property
@@ -182,6 +197,8 @@ class GASLoC(OuterUpdate):
         else:
             z = _clone(mixed)
             new = torch._foreach_sub(z, self.z_prev)
+            if self.cfg.mix_momentum != 1.0:  # v -= (1 - kappa)(z - y): keep only kappa of the correction
+                torch._foreach_add_(new, torch._foreach_sub(z, y), alpha=-(1 - self.cfg.mix_momentum))
             torch._foreach_mul_(new, self.gamma)
             torch._foreach_add_(new, z)
             self.z_prev = z
@@ -193,7 +210,7 @@ class GASLoC(OuterUpdate):
                  mixed: Sequence[torch.Tensor]) -> None:
         """Overlap: the round that sent `sent` was applied as solo (`apply(params, sent)`); its mix `mixed` arrived
         during the next inner phase. Shift params and the anchor by what `apply(params, mixed)` would have changed
-        in theta - linear in mixed: (1 + gamma)(mixed - sent) in form C, (mixed - sent) in A and B - and correct the
+        in theta - linear in mixed: (1 + gamma kappa)(mixed - sent) in form C, (mixed - sent) in A and B - and correct the
         momentum state (form C: z_prev is the mix). For an inner phase that does not depend on where it starts,
         this equals the undelayed update exactly; call it before this round's outgoing()."""
         shift = self.late_shift(sent, mixed)
@@ -207,7 +224,7 @@ class GASLoC(OuterUpdate):
         """What late_mix adds to theta (and to the anchor)."""
         d = torch._foreach_sub(list(mixed), list(sent))
         if self.cfg.form == "C":
-            torch._foreach_mul_(d, 1 + self.gamma)
+            torch._foreach_mul_(d, 1 + self.gamma * self.cfg.mix_momentum)
         return d
 
 

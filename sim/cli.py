@@ -74,6 +74,8 @@ def _opt(*names, **kw):
 @_opt("--outer-lr", type=float, help="Outer lr eta. [default: 0.7; gossip 1]")
 @_opt("--momentum", type=float, help="Outer momentum gamma (NoLoCo: beta).")
 @_opt("--mix-weight", type=float, help="Weight per partner in the mix. [default: group mean]")
+@_opt("--mix-momentum", type=float, help="Form C: share of the mixing correction that outer momentum carries on "
+      "(0-1). [default: 1]")
 @_opt("--schedule", type=click.Choice(("lockstep", "async")), help="Shared round counter or none. "
       "[default: lockstep]")
 @_opt("--num-partners", type=click.IntRange(1, 2), help="Partners per round. [default: 1]")
@@ -109,7 +111,8 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
 
     keys = {"algorithm": "outer.algorithm", "form": "outer.form", "inner_steps": "inner.inner_steps",
             "bandwidth_profile": "clock.profile", "preset": "model.preset", "outer_lr": "outer.outer_lr",
-            "momentum": "outer.momentum", "mix_weight": "outer.mix_weight", "overlap": "outer.overlap",
+            "momentum": "outer.momentum", "mix_weight": "outer.mix_weight",
+            "mix_momentum": "outer.mix_momentum", "overlap": "outer.overlap",
             "inner_lr": "inner.lr",
             "warmup_steps": "inner.warmup_steps", "batch_size": "data.batch_size", "seq_len": "model.seq_len",
             "time_budget_s": "inner.time_budget_s", "val_batches": "data.val_batches",

@@ -232,10 +232,10 @@ def shift_inner(params, worker, rnd, scale=0.1):
         p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
 
 
-def _pairs_run(form, overlap, k=5, rounds=12, correct=True):
+def _pairs_run(form, overlap, k=5, rounds=12, correct=True, kappa=1.0):
     """k workers (one odd one out: a solo round) on random pairs; with `overlap` each round is applied as solo and
     its mix one round later (OuterUpdate.late_mix), flushed after the last round."""
-    cfg = OuterConfig(form=form)
+    cfg = OuterConfig(form=form, mix_momentum=kappa)
     workers = [fresh_params() for _ in range(k)]
     outers = [make_outer(cfg, w) for w in workers]
     rng = random.Random(3)
@@ -258,15 +258,15 @@ def _pairs_run(form, overlap, k=5, rounds=12, correct=True):
     return workers
 
 
-@pytest.mark.parametrize("form", ["A", "B", "C"])
-def test_overlap_equals_undelayed_mixing_when_the_inner_phase_does_not_depend_on_its_start(form):
-    ref = _pairs_run(form, overlap=False)
-    got = _pairs_run(form, overlap=True)
+@pytest.mark.parametrize("form,kappa", [("A", 1.0), ("B", 1.0), ("C", 1.0), ("C", 0.0), ("C", 0.4)])
+def test_overlap_equals_undelayed_mixing_when_the_inner_phase_does_not_depend_on_its_start(form, kappa):
+    ref = _pairs_run(form, overlap=False, kappa=kappa)
+    got = _pairs_run(form, overlap=True, kappa=kappa)
     for wr, wg in zip(ref, got):
         for a, b in zip(wr, wg):
             torch.testing.assert_close(b, a, atol=1e-9, rtol=0)
     # without the late correction the run is a swarm of solo workers: far from the mixed one
-    solo = _pairs_run(form, overlap=True, correct=False)
+    solo = _pairs_run(form, overlap=True, correct=False, kappa=kappa)
     assert max(float((a - b).abs().max()) for wr, ws in zip(ref, solo) for a, b in zip(wr, ws)) > 1e-2
 
 
@@ -274,3 +274,65 @@ def test_overlap_is_rejected_where_it_is_not_defined():
     for algorithm in ("diloco", "noloco", "local"):
         with pytest.raises(ValueError, match="overlap"):
             OuterConfig(algorithm=algorithm, overlap=True)
+
+
+def test_mix_momentum_one_round_by_hand():
+    """theta = z + gamma (z - z_prev - (1 - kappa)(z - y)): kappa of the mixing correction z - y enters momentum."""
+    eta, gamma, kappa = 0.7, 0.9, 0.25
+    cfg = OuterConfig(outer_lr=eta, momentum=gamma, mix_momentum=kappa)
+    a, b = fresh_params(1), fresh_params(2)
+    oa, ob = make_outer(cfg, a), make_outer(cfg, b)
+    theta0 = [t.clone() for t in a]
+    fake_inner(a, 0, 0)
+    fake_inner(b, 1, 0)
+    ya, yb = oa.outgoing(a), ob.outgoing(b)
+    z = mix(ya, [yb])
+    oa.apply(a, z)
+    for got, zi, yi, t0 in zip(a, z, ya, theta0):
+        torch.testing.assert_close(got, zi + gamma * (zi - t0 - (1 - kappa) * (zi - yi)), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kappa", [0.0, 0.5, 1.0])
+def test_every_mix_momentum_keeps_the_swarm_mean_on_diloco_path(kappa):
+    """Pairwise mixing with solo rounds (k odd): the corrections z - y sum to zero, so the workers' mean follows
+    Nesterov SGD on the mean pseudo-gradient whatever kappa is; only kappa = 1 also pulls the workers together
+    as fast as form C."""
+    eta, gamma, k, rounds = 0.7, 0.9, 5, 12
+    ref = [p.clone().requires_grad_(True) for p in fresh_params()]
+    opt = torch.optim.SGD(ref, lr=eta, momentum=gamma, nesterov=True)
+    for r in range(rounds):
+        deltas = []
+        for i in range(k):
+            local = [p.detach().clone() for p in ref]
+            shift_inner(local, i, r)
+            deltas.append([x.detach() - y for x, y in zip(ref, local)])
+        for p, *ds in zip(ref, *deltas):
+            p.grad = torch.stack(ds).mean(0)
+        opt.step()
+    workers = _pairs_run("C", overlap=False, k=k, rounds=rounds, kappa=kappa)
+    for got, want in zip(exact_mean(workers), ref):
+        torch.testing.assert_close(got, want.detach(), atol=1e-9, rtol=0)
+
+
+def test_mix_momentum_zero_applies_the_correction_once():
+    """Against the same worker in a solo round, a mix moves it by (1 + gamma kappa)(z - y): once for kappa = 0 (its
+    momentum holds only its own progress), 1.9x for kappa = 1 (form C)."""
+    for kappa in (0.0, 1.0):
+        cfg = OuterConfig(mix_momentum=kappa)
+        me, partner, solo = fresh_params(1), fresh_params(2), fresh_params(1)
+        o_me, o_partner, o_solo = make_outer(cfg, me), make_outer(cfg, partner), make_outer(cfg, solo)
+        for w, i in ((me, 0), (partner, 1), (solo, 0)):
+            shift_inner(w, i, 0)
+        y, y_partner = o_me.outgoing(me), o_partner.outgoing(partner)
+        z = mix(y, [y_partner])
+        o_me.apply(me, z)
+        o_solo.apply(solo, o_solo.outgoing(solo))
+        for m, s, zi, yi in zip(me, solo, z, y):
+            torch.testing.assert_close(m - s, (1 + 0.9 * kappa) * (zi - yi), atol=1e-12, rtol=0)
+
+
+def test_mix_momentum_is_rejected_where_it_is_not_defined():
+    for kwargs in ({"algorithm": "diloco"}, {"form": "A"}, {"form": "B"}, {"algorithm": "gossip"}):
+        with pytest.raises(ValueError, match="mix_momentum"):
+            OuterConfig(mix_momentum=0.5, **kwargs)
+    assert OuterConfig(algorithm="diloco").mix_momentum == 1.0

@@ -19,6 +19,8 @@ Runs, one after another, each with a fresh bootstrap and fresh peers for the sam
   gasloc-overlap  (optional) gasloc with outer.overlap=true: each exchange runs during the next round's inner steps
   gasloc-bw-k0, gasloc-k0  (optional) gasloc-bw and gasloc with outer.mix_momentum=0: outer momentum carries only
               each peer's own progress, a mix moves the model once (to the pair's mean) and no further
+  gasloc-bw-open10  (optional) gasloc-bw with swarm.slower_link_open_share=0.1 instead of its default 0.25
+  gasloc-bw-m07  (optional) gasloc-bw with outer.momentum=0.7 (the simulator's choice for half-slow links) for 0.9
 
 The swarm's mean validation loss at time t is the mean over peers of each peer's latest val_loss at or before t
 (the start event's initial_loss counts as its first). The clock of a run starts when every peer has printed READY.
@@ -50,14 +52,17 @@ from hetero_report import RunResult, analyse_run, format_report, pick_target  # 
 
 TAG = "ghx"
 SLOWER_LINK_RATIO = 3.0  # bandwidth-aware runs: the links here differ 10x, and rates vary ~1.5x with the load
-RUNS = {  # name -> (outer.algorithm, bandwidth-aware (None: not applicable), further [outer] settings)
+RUNS = {  # name -> (outer.algorithm, bandwidth-aware (None: not applicable), further settings: dotted key -> value)
     "gasloc-bw": ("gasloc", True, {}),
     "gasloc": ("gasloc", False, {}),
     "diloco": ("diloco", None, {}),
     "gossip": ("gossip", False, {}),
-    "gasloc-overlap": ("gasloc", False, {"overlap": "true"}),
-    "gasloc-bw-k0": ("gasloc", True, {"mix_momentum": "0"}),
-    "gasloc-k0": ("gasloc", False, {"mix_momentum": "0"}),
+    "gasloc-overlap": ("gasloc", False, {"outer.overlap": "true"}),
+    "gasloc-bw-k0": ("gasloc", True, {"outer.mix_momentum": "0"}),
+    "gasloc-k0": ("gasloc", False, {"outer.mix_momentum": "0"}),
+    "gasloc-bw-open10": ("gasloc", True, {"swarm.slower_link_open_share": "0.1"}),
+    "gasloc-bw-m07": ("gasloc", True, {"outer.momentum": "0.7"}),
+    "gasloc-bw-m07-open10": ("gasloc", True, {"outer.momentum": "0.7", "swarm.slower_link_open_share": "0.1"}),
 }
 DEFAULT_RUNS = ("gasloc-bw", "gasloc", "diloco")
 
@@ -126,7 +131,7 @@ class Settings:
 
 
 def _child_env(shard: tuple[int, int] | None = None, bandwidth_aware: bool | None = None,
-               outer: dict[str, str] | None = None) -> dict[str, str]:
+               settings: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GASLOC_")}
     # one thread per process: 7 processes (plus their DHT children) share the machine's cores
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GASLOC_LOG_LEVEL="INFO")
@@ -135,8 +140,8 @@ def _child_env(shard: tuple[int, int] | None = None, bandwidth_aware: bool | Non
     if bandwidth_aware is not None:
         env["GASLOC_SWARM__BANDWIDTH_WEIGHTING"] = "true" if bandwidth_aware else "false"
         env["GASLOC_SWARM__SLOWER_LINK_RATIO"] = str(SLOWER_LINK_RATIO if bandwidth_aware else 0.0)
-    for key, value in (outer or {}).items():
-        env[f"GASLOC_OUTER__{key.upper()}"] = value
+    for key, value in (settings or {}).items():  # the peer's env override of a config key: GASLOC_SECTION__KEY
+        env["GASLOC_" + key.replace(".", "__").upper()] = value
     return env
 
 
@@ -144,7 +149,7 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
     """One swarm: bootstrap + peers for s.duration_s after all are READY; returns its metrics, analysed."""
     from gasloc.procs import gasloc_argv
 
-    algorithm, bw, outer = RUNS[name]
+    algorithm, bw, settings = RUNS[name]
     run_dir = out / name
     run_id = f"hetero-{name}-{os.getpid()}"
     names = [f"{name}/boot"] + [f"{name}/p{i}" for i in range(s.peers)]
@@ -161,7 +166,7 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
                                "--run-dir", str(run_dir / node), "--host-maddrs", f"/ip4/{star.ip(node)}/tcp/0",
                                "--initial-peers", boot_maddr, "--no-checkpoint")
             peers.append(sup.start(names[i + 1], star.exec_argv(node, argv), run_dir / f"{node}.log",
-                                   env=_child_env((i, s.peers), bw, outer)))
+                                   env=_child_env((i, s.peers), bw, settings)))
         for p in peers:
             sup.wait_ready(p, s.ready_timeout_s)
         t0 = time.time()

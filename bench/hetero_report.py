@@ -13,6 +13,7 @@ from pathlib import Path
 PARTS = ("compute_s", "wait_s", "transfer_s", "outer_s")
 DROP_FRACTIONS = (0.5, 0.75, 0.9, 1.0)  # milestones: this fraction of the way from the initial loss to the target
 GOAL_RATIO = 0.6                        # issue #5: GASLoC's time to target <= 0.6x DiLoCo's
+JUMP_NATS = 0.2                         # a "jump": a round after which a peer's validation loss rose this much
 
 
 @dataclass
@@ -24,6 +25,7 @@ class RunResult:
     curve: list[tuple[float, float]]          # (seconds since t0, swarm mean val loss), at each change
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)  # "fast" / "slow" -> per-peer means
     pairs: dict[str, float] = field(default_factory=dict)  # ok pairwise exchanges by the partners' link classes
+    jumps: dict[str, dict] = field(default_factory=dict)  # fast peers' rounds by partner: see mix_jumps
     t0: float = 0.0                           # Unix time the run's clock started (every peer READY)
 
     @property
@@ -126,6 +128,38 @@ def pair_counts(events_by_peer: dict[str, list[dict]], fast: set[str], t0: float
     return out
 
 
+def mix_jumps(events_by_peer: dict[str, list[dict]], fast: set[str], t0: float, t_end: float
+              ) -> dict[str, dict]:
+    """Fast peers' rounds in [t0, t_end] that mixed with a partner, split by whether it was the partner of the
+    peer's previous exchange ("same") or another one ("new"): how many, how many of them raised the peer's
+    validation loss by JUMP_NATS or more over the round, and the largest rise (None without such rounds; negative
+    when every one of them lowered the loss).
+
+    Why: fast peers that pair mostly with each other drift away from the rest of the swarm, and averaging two
+    models that drifted apart can cost loss (docs/hetero-results.md); the swarm mean alone hides it."""
+    out: dict[str, dict] = {kind: {"rounds": 0, "jumps": 0, "max_rise": None} for kind in ("same", "new")}
+    for peer in fast:
+        prev_loss, prev_partner = None, None
+        for e in events_by_peer.get(peer, []):
+            if e.get("event") == "start":
+                prev_loss = e.get("initial_loss")
+                continue
+            if e.get("event") != "round":
+                continue
+            loss, mixed = e.get("val_loss"), e.get("outcome") == "ok" and e.get("group_size") == 2
+            if mixed and loss is not None and prev_loss is not None and t0 <= float(e["time"]) <= t_end:
+                row = out["same" if e.get("partner") == prev_partner else "new"]
+                rise = loss - prev_loss
+                row["rounds"] += 1
+                row["jumps"] += rise >= JUMP_NATS
+                row["max_rise"] = rise if row["max_rise"] is None else max(row["max_rise"], rise)
+            if mixed:
+                prev_partner = e.get("partner")
+            if loss is not None:
+                prev_loss = loss
+    return out
+
+
 def analyse_run(name: str, algorithm: str, bandwidth_aware: bool | None, metrics: dict[str, Path],
                 fast: set[str], t0: float, t_end: float) -> RunResult:
     events = {peer: read_events(path) for peer, path in metrics.items()}
@@ -139,8 +173,10 @@ def analyse_run(name: str, algorithm: str, bandwidth_aware: bool | None, metrics
     for group, members in groups.items():   # the swarm mean hides how far each link class got
         part = mean_loss_curve({p: points[p] for p in members}, t0, t_end)
         split[group]["final_loss"] = part[-1][1] if part else None
+    pairwise = algorithm != "diloco"
     return RunResult(name, algorithm, bandwidth_aware, t_end - t0, curve, split,
-                     pair_counts(events, set(fast), t0, t_end) if algorithm != "diloco" else {}, t0)
+                     pair_counts(events, set(fast), t0, t_end) if pairwise else {},
+                     mix_jumps(events, set(fast), t0, t_end) if pairwise else {}, t0)
 
 
 def pick_target(results: list[RunResult], margin: float) -> float:
@@ -210,6 +246,19 @@ def format_report(results: list[RunResult], target: float, settings: dict) -> tu
                 lines.append(f"| {r.name} | {r.pairs['fast-fast']:.0f} | {r.pairs['fast-slow']:.0f} | "
                              f"{r.pairs['slow-slow']:.0f} | {r.breakdown.get('fast', {}).get('passed_over', 0):.1f} |")
 
+    if any(r.jumps for r in results):
+        lines.append("")
+        lines.append(f"fast peers' rounds that mixed with the partner of their previous exchange (same) or another "
+                     f"(new): how many, how many raised the peer's validation loss by {JUMP_NATS} or more, the "
+                     f"largest rise:")
+        lines.append("| run | same: rounds | jumps | largest rise | new: rounds | jumps | largest rise |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in results:
+            if r.jumps:
+                lines.append(f"| {r.name} | " + " | ".join(
+                    f"{r.jumps[k]['rounds']} | {r.jumps[k]['jumps']} | {_fmt(r.jumps[k]['max_rise'], '+.2f')}"
+                    for k in ("same", "new")) + " |")
+
     verdict = []
     for r in results:
         if r.algorithm == "gasloc" and ratios.get(r.name) is not None:
@@ -221,6 +270,6 @@ def format_report(results: list[RunResult], target: float, settings: dict) -> tu
     doc = {"rows": rows, "target_loss": round(target, 5), "milestone_fractions": list(DROP_FRACTIONS),
            "milestone_levels": [round(lv, 5) for lv in levels], "milestones_s": milestones,
            "breakdown": {r.name: r.breakdown for r in results}, "pairs": {r.name: r.pairs for r in results},
-           "settings": settings,
+           "jumps": {r.name: r.jumps for r in results}, "settings": settings,
            "curves": {r.name: [[round(t, 2), round(v, 5)] for t, v in r.curve] for r in results}}
     return "\n".join(lines), doc

@@ -210,9 +210,9 @@ class GASLoC(OuterUpdate):
                  mixed: Sequence[torch.Tensor]) -> None:
         """Overlap: the round that sent `sent` was applied as solo (`apply(params, sent)`); its mix `mixed` arrived
         during the next inner phase. Shift params and the anchor by what `apply(params, mixed)` would have changed
-        in theta - linear in mixed: (1 + gamma kappa)(mixed - sent) in form C, (mixed - sent) in A and B - and correct the
-        momentum state (form C: z_prev is the mix). For an inner phase that does not depend on where it starts,
-        this equals the undelayed update exactly; call it before this round's outgoing()."""
+        in theta - linear in mixed: (1 + gamma kappa)(mixed - sent) in form C, (mixed - sent) in A and B - and
+        correct the momentum state (form C: z_prev is the mix). For an inner phase that does not depend on where it
+        starts, this equals the undelayed update exactly; call it before this round's outgoing()."""
         shift = self.late_shift(sent, mixed)
         if self.cfg.form == "C":
             torch._foreach_add_(self.z_prev, torch._foreach_sub(list(mixed), list(sent)))

@@ -65,6 +65,25 @@ def test_analyse_target_and_report(tmp_path):
     assert rows["diloco"]["bandwidth_aware"] is None
     assert "gasloc: 0.07x DiLoCo's time -> met" in text
     assert "| gasloc | slow | 4.0000 | 2.0 |" in text
+    assert "| gasloc | 1 | 0 | -1.00 | 1 | 0 | -2.00 |" in text  # p0: B new (6 -> 4), then B again (4 -> 3)
+    assert doc["jumps"]["diloco"] == {}
+
+
+def test_mix_jumps_split_rounds_by_partner_and_count_rises():
+    events = {
+        "f": [{"event": "start", "time": 0.0, "initial_loss": 3.0},
+              _round(1.0, 2.5, partner="A", group_size=2),          # new (no previous partner): -0.5
+              _round(2.0, 2.4, partner="A", group_size=2),          # same: -0.1
+              _round(3.0, 2.3, outcome="solo"),                     # no mix: not counted, but the loss moves on
+              _round(4.0, 2.9, partner="B", group_size=2),          # new: +0.6, a jump
+              _round(5.0, 3.0, partner="B", group_size=2),          # same: +0.1
+              _round(99.0, 9.0, partner="C", group_size=2)],        # after t_end
+        "s": [{"event": "start", "time": 0.0, "initial_loss": 3.0},
+              _round(1.0, 5.0, partner="F", group_size=2)],         # a slow peer: not counted
+    }
+    got = hr.mix_jumps(events, {"f"}, t0=0.0, t_end=10.0)
+    assert got["new"] == {"rounds": 2, "jumps": 1, "max_rise": pytest.approx(0.6)}
+    assert got["same"] == {"rounds": 2, "jumps": 0, "max_rise": pytest.approx(0.1)}
 
 
 def test_run_without_losses_is_an_error(tmp_path):

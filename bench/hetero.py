@@ -17,10 +17,11 @@ Runs, one after another, each with a fresh bootstrap and fresh peers for the sam
   diloco      outer.algorithm=diloco: the exact mean over all live peers (hivemind DecentralizedAverager)
   gossip      (optional) outer.algorithm=gossip
   gasloc-overlap  (optional) gasloc with outer.overlap=true: each exchange runs during the next round's inner steps
-  gasloc-bw-k0, gasloc-k0  (optional) gasloc-bw and gasloc with outer.mix_momentum=0: outer momentum carries only
-              each peer's own progress, a mix moves the model once (to the pair's mean) and no further
   gasloc-bw-open10  (optional) gasloc-bw with swarm.slower_link_open_share=0.1 instead of its default 0.25
-  gasloc-bw-m07  (optional) gasloc-bw with outer.momentum=0.7 (the simulator's choice for half-slow links) for 0.9
+  gasloc-bw-m09, gasloc-m09  (optional) gasloc-bw and gasloc with outer.momentum=0.9, GASLoC's default until
+              2026-11-30 (DiLoCo's); gasloc-bw-m09-open10 adds the open share 0.1, gasloc-bw-m09-k0
+              outer.mix_momentum=0 (outer momentum carries only each peer's own progress; a mix moves the model
+              once, to the pair's mean)
 
 The swarm's mean validation loss at time t is the mean over peers of each peer's latest val_loss at or before t
 (the start event's initial_loss counts as its first). The clock of a run starts when every peer has printed READY.
@@ -58,11 +59,12 @@ RUNS = {  # name -> (outer.algorithm, bandwidth-aware (None: not applicable), fu
     "diloco": ("diloco", None, {}),
     "gossip": ("gossip", False, {}),
     "gasloc-overlap": ("gasloc", False, {"outer.overlap": "true"}),
-    "gasloc-bw-k0": ("gasloc", True, {"outer.mix_momentum": "0"}),
-    "gasloc-k0": ("gasloc", False, {"outer.mix_momentum": "0"}),
     "gasloc-bw-open10": ("gasloc", True, {"swarm.slower_link_open_share": "0.1"}),
-    "gasloc-bw-m07": ("gasloc", True, {"outer.momentum": "0.7"}),
-    "gasloc-bw-m07-open10": ("gasloc", True, {"outer.momentum": "0.7", "swarm.slower_link_open_share": "0.1"}),
+    # GASLoC's outer momentum before it became 0.7 (docs/hetero-results.md compares them)
+    "gasloc-bw-m09": ("gasloc", True, {"outer.momentum": "0.9"}),
+    "gasloc-m09": ("gasloc", False, {"outer.momentum": "0.9"}),
+    "gasloc-bw-m09-open10": ("gasloc", True, {"outer.momentum": "0.9", "swarm.slower_link_open_share": "0.1"}),
+    "gasloc-bw-m09-k0": ("gasloc", True, {"outer.momentum": "0.9", "outer.mix_momentum": "0"}),
 }
 DEFAULT_RUNS = ("gasloc-bw", "gasloc", "diloco")
 

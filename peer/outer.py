@@ -27,9 +27,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Algorithm = Literal["gasloc", "diloco", "noloco", "gossip", "local"]
 ALGORITHMS: tuple[str, ...] = ("gasloc", "diloco", "noloco", "gossip", "local")
 
-# Per-algorithm defaults for what the config leaves unset: (outer lr eta, momentum gamma / NoLoCo beta).
+# Per-algorithm defaults for what the config leaves unset: (outer lr eta, momentum gamma / NoLoCo beta). The
+# baselines keep their published values. GASLoC's gamma is 0.7, not DiLoCo's 0.9: with one partner per round,
+# form C moves a worker (1 + gamma) times the way to the pair's mean, and at 0.9 two models that drifted apart
+# overshoot; 0.7 was the simulator's best for H = 20 (docs/sim-results.md) and on the hetero bench it removed most
+# mixing jumps and reached DiLoCo's loss sooner (docs/hetero-results.md).
 _DEFAULTS: dict[str, tuple[float, float]] = {
-    "gasloc": (0.7, 0.9), "diloco": (0.7, 0.9), "noloco": (0.7, 0.5), "gossip": (1.0, 0.0), "local": (1.0, 0.0),
+    "gasloc": (0.7, 0.7), "diloco": (0.7, 0.9), "noloco": (0.7, 0.5), "gossip": (1.0, 0.0), "local": (1.0, 0.0),
 }
 
 
@@ -44,7 +48,7 @@ class OuterConfig(BaseModel):
     outer_lr: float | None = Field(None, gt=0, le=2, description="outer learning rate eta; default 0.7 "
                                    "(gossip: 1.0)")
     momentum: float | None = Field(None, ge=0, lt=1, description="outer momentum gamma (NoLoCo: beta); default "
-                                   "0.9 (noloco 0.5, gossip 0)")
+                                   "0.7 for gasloc, 0.9 for diloco (noloco 0.5, gossip 0)")
     mix_weight: float | None = Field(None, gt=0, le=1, description="weight w per partner in z = x - sum w (x - "
                                      "x_j); default: the uniform mean of the group (1/2 with one partner)")
     mix_momentum: float = Field(1.0, ge=0, le=1, description="kappa (form C): the share of each round's mixing "
@@ -146,9 +150,9 @@ class GASLoC(OuterUpdate):
 
     kappa (outer.mix_momentum, form C only; 1 is the form as published): with v = z - z_prev - (1 - kappa)(z - y),
     v_t = gamma v_{t-1} + eta g_t + kappa (z_t - y_t), where g is the inner drift and z - y the mixing correction.
-    kappa = 1 lets momentum extrapolate the correction (1 + gamma = 1.9x of it at once, 1 / (1 - gamma) = 10x in
-    all): that is what speeds up consensus on a ring, and what overshoots toward a partner whose model drifted far
-    away (docs/hetero-results.md). Every kappa keeps the swarm mean on DiLoCo's path, since the corrections of a
+    kappa = 1 lets momentum extrapolate the correction (1 + gamma times it at once, 1 / (1 - gamma) times in all):
+    that is what speeds up consensus on a ring, and what overshoots toward a partner whose model drifted far away
+    (docs/hetero-results.md). Every kappa keeps the swarm mean on DiLoCo's path, since the corrections of a
     mix sum to zero over the swarm.
     """
 

@@ -70,7 +70,7 @@ def test_diloco_class_equals_torch_sgd_nesterov():
 
 def test_form_a_keeps_the_mean_on_diloco_path_but_workers_drift_apart():
     ref = diloco_reference(0.7, 0.9, rounds=10)
-    workers = run_complete(OuterConfig(form="A"), rounds=10)
+    workers = run_complete(OuterConfig(form="A", momentum=0.9), rounds=10)
     mean = exact_mean(workers)
     for a, b in zip(mean, ref):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
@@ -235,7 +235,7 @@ def shift_inner(params, worker, rnd, scale=0.1):
 def _pairs_run(form, overlap, k=5, rounds=12, correct=True, kappa=1.0):
     """k workers (one odd one out: a solo round) on random pairs; with `overlap` each round is applied as solo and
     its mix one round later (OuterUpdate.late_mix), flushed after the last round."""
-    cfg = OuterConfig(form=form, mix_momentum=kappa)
+    cfg = OuterConfig(form=form, momentum=0.9, mix_momentum=kappa)
     workers = [fresh_params() for _ in range(k)]
     outers = [make_outer(cfg, w) for w in workers]
     rng = random.Random(3)
@@ -318,7 +318,7 @@ def test_mix_momentum_zero_applies_the_correction_once():
     """Against the same worker in a solo round, a mix moves it by (1 + gamma kappa)(z - y): once for kappa = 0 (its
     momentum holds only its own progress), 1.9x for kappa = 1 (form C)."""
     for kappa in (0.0, 1.0):
-        cfg = OuterConfig(mix_momentum=kappa)
+        cfg = OuterConfig(momentum=0.9, mix_momentum=kappa)
         me, partner, solo = fresh_params(1), fresh_params(2), fresh_params(1)
         o_me, o_partner, o_solo = make_outer(cfg, me), make_outer(cfg, partner), make_outer(cfg, solo)
         for w, i in ((me, 0), (partner, 1), (solo, 0)):
@@ -329,6 +329,12 @@ def test_mix_momentum_zero_applies_the_correction_once():
         o_solo.apply(solo, o_solo.outgoing(solo))
         for m, s, zi, yi in zip(me, solo, z, y):
             torch.testing.assert_close(m - s, (1 + 0.9 * kappa) * (zi - yi), atol=1e-12, rtol=0)
+
+
+def test_defaults_gasloc_gamma_07_baselines_as_published():
+    assert (OuterConfig().eta, OuterConfig().gamma) == (0.7, 0.7)
+    assert (OuterConfig(algorithm="diloco").eta, OuterConfig(algorithm="diloco").gamma) == (0.7, 0.9)
+    assert (OuterConfig(algorithm="noloco").eta, OuterConfig(algorithm="noloco").gamma) == (0.7, 0.5)
 
 
 def test_mix_momentum_is_rejected_where_it_is_not_defined():

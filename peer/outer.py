@@ -30,7 +30,7 @@ ALGORITHMS: tuple[str, ...] = ("gasloc", "diloco", "noloco", "gossip", "local")
 # Per-algorithm defaults for what the config leaves unset: (outer lr eta, momentum gamma / NoLoCo beta). The
 # baselines keep their published values. GASLoC's gamma is 0.7, not DiLoCo's 0.9: with one partner per round,
 # form C moves a worker (1 + gamma) times the way to the pair's mean, and at 0.9 two models that drifted apart
-# overshoot; 0.7 was the simulator's best for H = 20 (docs/sim-results.md) and on the hetero bench it removed most
+# overshoot; 0.7 was the simulator's choice at H = 20 (docs/sim-results.md) and on the hetero bench it removed most
 # mixing jumps and reached DiLoCo's loss sooner (docs/hetero-results.md).
 _DEFAULTS: dict[str, tuple[float, float]] = {
     "gasloc": (0.7, 0.7), "diloco": (0.7, 0.9), "noloco": (0.7, 0.5), "gossip": (1.0, 0.0), "local": (1.0, 0.0),

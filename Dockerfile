@@ -26,7 +26,7 @@ COPY pyproject.toml ./
 RUN bash install.sh deps pyproject.toml hf
 COPY . src/
 RUN bash install.sh package ./src \
-    && python -c "import gasloc.peer.data as d; assert len(d.embedded_tokens()) > 0" \
+    && python -c "import gasloc.peer.train.data as d; assert len(d.embedded_tokens()) > 0" \
     && rm -rf ./src
 
 # An unprivileged user owns the state directories; named volumes mounted there start with this ownership.
@@ -45,7 +45,7 @@ VOLUME ["/data/identity", "/data/checkpoints", "/data/run", "/data/hf"]
 # Healthy while the node's p2pd accepts connections on the P2P port; docker-compose.yml also requires a peer to
 # write its metrics (every round) and the bootstrap to have written its multiaddrs.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=120s --retries=3 \
-    CMD ["python", "-m", "gasloc.peer.health", "--tcp-port", "31337"]
+    CMD ["python", "-m", "gasloc.peer.healthcheck", "--tcp-port", "31337"]
 
 ENTRYPOINT ["gasloc"]
 CMD ["--help"]

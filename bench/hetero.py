@@ -149,7 +149,7 @@ def _child_env(shard: tuple[int, int] | None = None, bandwidth_aware: bool | Non
 
 def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_config: Path) -> RunResult:
     """One swarm: bootstrap + peers for s.duration_s after all are READY; returns its metrics, analysed."""
-    from gasloc.procs import gasloc_argv
+    from gasloc.runtime.procs import gasloc_argv
 
     algorithm, bw, settings = RUNS[name]
     run_dir = out / name
@@ -252,7 +252,7 @@ def main(json_out, quick, cleanup_only, runs, peers, duration_s, fast_mbit, slow
     results, error, loads = [], None, {}
     load_before = loadavg()
     try:
-        from gasloc.procs import Supervisor
+        from gasloc.runtime.procs import Supervisor
 
         star.up()
         click.echo(f"star {star.prefix}: {star.describe()}")

@@ -4,7 +4,7 @@
     node namespace:  `eth0` (veth to p<i>), address <subnet>.<i+1>/24, loopback up
 
 Each node's link is shaped by tbf on BOTH ends of its veth, because a qdisc only shapes egress and this kernel has
-neither ingress policing nor netem (hivemind-notes §3): `eth0` (node side) limits the node's upload, `p<i>` (hub
+neither ingress policing nor netem (docs/hivemind.md §3): `eth0` (node side) limits the node's upload, `p<i>` (hub
 side) its download. A transfer between two nodes therefore runs at min(sender's upload, receiver's download).
 The veth ends are created directly inside their namespaces and the bridge lives in the hub namespace: nothing is
 added to the root namespace, and deleting the namespaces removes every link, bridge and qdisc.
@@ -129,7 +129,7 @@ class Star:
             raise KeyError(f"no node {name!r} in this star (nodes: {', '.join(self.nodes)})") from None
 
     # ------------------------------------------------------------------ lifecycle
-    def up(self) -> "Star":
+    def up(self) -> Star:
         """Create everything; on any failure remove what was created and raise NetlabError."""
         try:
             sh("ip", "netns", "add", self.hub)
@@ -161,7 +161,7 @@ class Star:
         Idempotent; returns the namespaces it removed."""
         return remove_namespaces([ns for ns in list_namespaces() if ns.startswith(self.prefix)])
 
-    def __enter__(self) -> "Star":
+    def __enter__(self) -> Star:
         return self.up()
 
     def __exit__(self, *exc) -> None:
@@ -190,7 +190,7 @@ def remove_namespaces(names: list[str], grace_s: float = 10.0) -> list[str]:
     Order matters for the files: SIGTERM first (a gasloc process shuts down cleanly), SIGKILL after `grace_s`, and
     torch_shm_manager last - it unlinks its clients' /dev/shm files itself once they are gone, even after a kill -9,
     but not if it is killed first."""
-    from gasloc.procs import socket_inodes, unix_socket_paths
+    from gasloc.runtime.procs import socket_inodes, unix_socket_paths
 
     files: set[str] = set()
 

@@ -1,11 +1,11 @@
 """Transport benchmark (issue #5): the pairwise exchange of a 25M / 100M-parameter payload, both ways at once.
 
 Methods, all measured in one run, by two worker processes (bench/transport_worker.py):
-  gasloc               our Exchanger (gasloc.peer.exchange) over a hivemind p2pd raw stream
+  gasloc               our Exchanger (gasloc.peer.transport.exchange) over a hivemind p2pd raw stream
   tcp                  plain asyncio TCP, loop.sock_recv_into straight into preallocated tensors (the ceiling)
   hivemind_raw_stream  hivemind's raw binary stream used as documented (StreamReader.readexactly), no protocol
   hivemind_averager    hivemind's DecentralizedAverager, group of two (moves the same bytes as an exchange)
-Links: loopback, and two network namespaces joined by a veth pair shaped with tbf on both ends (notes §3).
+Links: loopback, and two network namespaces joined by a veth pair shaped with tbf on both ends (docs/hivemind.md §3).
 
     python bench/transport.py --quick --json out.json      # 25M only, loopback + 1 Gbit
     python bench/transport.py --json out.json               # 25M and 100M, loopback + 100 Mbit + 1 Gbit
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import click
 
-from gasloc.peer.hivemind_sockets import descendants, owned_sockets, remove
+from gasloc.runtime.sockets import owned_sockets, remove, subtree
 
 WORKER = Path(__file__).with_name("transport_worker.py")
 METHODS = ("gasloc", "tcp", "hivemind_raw_stream", "hivemind_averager")
@@ -228,7 +228,7 @@ def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], 
                                  "mb_s_each_way": wire_mb / med})
     finally:
         # hivemind leaves DHT/averager socket files behind: note ours while their owners live, remove them after
-        sockets = owned_sockets(set().union(*(descendants(w.proc.pid) for w in workers)))
+        sockets = owned_sockets(set().union(*(subtree(w.proc.pid) for w in workers)))
         failing = sys.exc_info()[0] is not None      # interrupted or failed: do not wait long for a busy worker
         for w in workers:
             w.stop(graceful_s=2 if failing else 15)

@@ -28,7 +28,7 @@ import torch
 CHUNK = 1 << 20
 NUM_TENSORS = 10
 NS = "gxbench"
-logger = logging.getLogger("transport_worker")
+log = logging.getLogger("transport_worker")
 
 
 def die_with_parent() -> None:
@@ -124,7 +124,7 @@ class Worker:
         b = self.bundles[(params, wire)]
         st = {"method": method, "params": params, "wire": wire, "own": b["own"], "want": b["want"], "recv": b["recv"]}
         if method == "gasloc":
-            from gasloc.peer.exchange import ExchangeConfig, Exchanger
+            from gasloc.peer.transport.exchange import ExchangeConfig, Exchanger
             cfg = ExchangeConfig(wire_dtype=wire, exchange_timeout_s=3600, accept_timeout_s=60,
                                  max_streams=self.args.max_streams)
             ex = Exchanger(cfg, self.p2p, specs=[(t.shape, t.dtype) for t in st["own"]], fingerprint="bench",
@@ -309,9 +309,9 @@ class Worker:
 def shutdown_and_unlink(proc) -> None:
     """Shut down a hivemind DHT or averager process and remove the socket files it leaves behind (hivemind does
     not); only files bound by that process and its children, noted while they live."""
-    from gasloc.peer.hivemind_sockets import descendants, owned_sockets, remove
+    from gasloc.runtime.sockets import owned_sockets, remove, subtree
     # a forked child also holds the listening sockets it inherited from us: those stay (we still serve on them)
-    sockets = owned_sockets(descendants(proc.pid)) - owned_sockets([os.getpid()])
+    sockets = owned_sockets(subtree(proc.pid)) - owned_sockets([os.getpid()])
     proc.shutdown()
     remove(sockets)
 
@@ -321,7 +321,7 @@ def make_dht(host: str, peer_dht: list[str] | None):
 
     class SafeDHT(hivemind.DHT):
         def run(self):
-            die_with_parent()        # the forked DHT process dies with this worker (notes §5)
+            die_with_parent()        # the forked DHT process dies with this worker (docs/hivemind.md §5)
             super().run()
 
     return SafeDHT(initial_peers=peer_dht or None, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)

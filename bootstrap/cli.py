@@ -21,8 +21,8 @@ import click
 def bootstrap(config_file, print_config, **flags) -> None:
     """Run a DHT node for peers to join through; prints its multiaddrs; Ctrl+C or SIGTERM to stop."""
     from gasloc.bootstrap.config import BootstrapConfig
-    from gasloc.config import resolve_for_cli
-    from gasloc.logs import setup_logging
+    from gasloc.runtime.config import resolve_for_cli
+    from gasloc.runtime.logs import setup_logging
 
     cfg = resolve_for_cli(BootstrapConfig, config_file, flags, print_config)
     setup_logging()

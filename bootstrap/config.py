@@ -5,8 +5,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gasloc.maddrs import check_announce_ports, check_maddrs
 from gasloc.protocol.messages import check_run_id
+from gasloc.runtime.maddrs import check_announce_ports, check_maddrs
 
 DEFAULT_PORT = 31337
 
@@ -42,7 +42,7 @@ class BootstrapConfig(BaseModel):
     @field_validator("initial_peers")
     @classmethod
     def _peers(cls, v: list[str]) -> list[str]:
-        from gasloc.maddrs import expand_initial_peers
+        from gasloc.runtime.maddrs import expand_initial_peers
 
         return expand_initial_peers(v)
 

@@ -16,9 +16,9 @@ import threading
 from pathlib import Path
 
 from gasloc.bootstrap.config import BootstrapConfig
-from gasloc.procs import StopSignals, emit_ready
+from gasloc.runtime.procs import StopSignals, emit_ready
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -39,7 +39,7 @@ def lock_identity(path: Path) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             P2P.generate_identity(str(path))  # RSA key, mode 0400
-            logger.info("identity_created path=%s", path)
+            log.info("identity_created path=%s", path)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise BootstrapError(f"cannot create or read identity file {path}: {e.strerror}; pass --identity-path "
@@ -71,7 +71,7 @@ def swarm_size(dht, run_id: str, timeout_s: float) -> dict[str, int]:
     """Live peers announced under the run's key (the same record peers list each other by), by state."""
     from hivemind.utils.timed_storage import get_dht_time
 
-    from gasloc.peer.membership import parse_listing, peers_key
+    from gasloc.peer.swarm.membership import parse_listing, peers_key
 
     found = dht.get(peers_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
     peers = parse_listing(found, now=get_dht_time())
@@ -89,10 +89,10 @@ def run(cfg: BootstrapConfig) -> int:
     def on_signal(signum, _frame):
         kind = signals.classify()
         if kind == "force":  # a second Ctrl+C: the operator does not want to wait for a clean shutdown
-            logger.warning("second_signal signal=%s exiting_now", signal.Signals(signum).name)
+            log.warning("second_signal signal=%s exiting_now", signal.Signals(signum).name)
             os._exit(EXIT_FAILED)  # the DHT child dies with us (PR_SET_PDEATHSIG)
         if kind == "first":
-            logger.info("signal=%s shutting_down", signal.Signals(signum).name)
+            log.info("signal=%s shutting_down", signal.Signals(signum).name)
             stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
@@ -101,8 +101,8 @@ def run(cfg: BootstrapConfig) -> int:
     lock_fd = lock_identity(Path(cfg.identity_path))
     from hivemind.p2p import P2PDaemonError
 
-    from gasloc.peer.membership import make_validators
-    from gasloc.peer.safeproc import SafeDHT, remove_own_shm
+    from gasloc.peer.swarm.membership import make_validators
+    from gasloc.runtime.safeproc import SafeDHT, remove_own_shm
 
     _, validators = make_validators(cfg.run_id)
     try:
@@ -120,22 +120,22 @@ def run(cfg: BootstrapConfig) -> int:
         peer_id = str(dht.peer_id)
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         for m in maddrs:
-            logger.info("listening maddr=%s", m)
+            log.info("listening maddr=%s", m)
         if cfg.maddrs_file is not None:
             write_maddrs_file(cfg.maddrs_file, peer_id, maddrs)
-            logger.info("maddrs_file=%s", cfg.maddrs_file)
+            log.info("maddrs_file=%s", cfg.maddrs_file)
         emit_ready("bootstrap", peer_id, maddrs)
         while not stop.is_set():
             try:
                 size = swarm_size(dht, cfg.run_id, cfg.request_timeout_s)
-                logger.info("swarm run_id=%s %s", cfg.run_id, " ".join(f"{k}={v}" for k, v in size.items()))
+                log.info("swarm run_id=%s %s", cfg.run_id, " ".join(f"{k}={v}" for k, v in size.items()))
             except TimeoutError:
-                logger.warning("swarm_size_timeout run_id=%s timeout_s=%.1f", cfg.run_id, cfg.request_timeout_s)
+                log.warning("swarm_size_timeout run_id=%s timeout_s=%.1f", cfg.run_id, cfg.request_timeout_s)
             stop.wait(cfg.log_interval_s)
     finally:
         dht.shutdown()
         dht.join(5)
         remove_own_shm()
         os.close(lock_fd)
-    logger.info("stopped peer_id=%s", peer_id)
+    log.info("stopped peer_id=%s", peer_id)
     return EXIT_OK

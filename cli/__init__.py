@@ -1,2 +1,2 @@
-"""gasloc: peer-to-peer LLM pre-training with GASLoC."""
-__version__ = "0.1.0"
+"""The `gasloc` command line: the root click group and the commands that belong to no single component
+(`swarm`, `doctor`, `presets`, `config-reference`). Component commands live beside their component."""

@@ -15,10 +15,10 @@ CONFIGS = {
     "peer": "gasloc.peer.config:PeerConfig",
     "bootstrap": "gasloc.bootstrap.config:BootstrapConfig",
     "sim": "gasloc.sim.config:SimConfig",
-    "export": "gasloc.peer.export:ExportConfig",
-    "tokenize": "gasloc.peer.tokenize_cli:TokenizeConfig",
-    "swarm": "gasloc.swarm:SwarmRunConfig",
-    "doctor": "gasloc.doctor:DoctorConfig",
+    "export": "gasloc.peer.train.export:ExportConfig",
+    "tokenize": "gasloc.peer.train.tokenize_cli:TokenizeConfig",
+    "swarm": "gasloc.cli.swarm:SwarmRunConfig",
+    "doctor": "gasloc.cli.doctor:DoctorConfig",
 }
 
 

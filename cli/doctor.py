@@ -1,5 +1,5 @@
-"""`gasloc doctor`: can this machine join (or host) a swarm? Runs every check of gasloc.health, prints a table with
-OK / WARN / FAIL / SKIP and a concrete fix for each problem, and exits 1 if anything FAILed."""
+"""`gasloc doctor`: can this machine join (or host) a swarm? Runs every check of cli/doctor_checks.py, prints a
+table with OK / WARN / FAIL / SKIP and a concrete fix for each problem, and exits 1 if anything FAILed."""
 from __future__ import annotations
 
 import sys
@@ -27,7 +27,7 @@ class DoctorConfig(BaseModel):
     @field_validator("initial_peers")
     @classmethod
     def _peers(cls, v: list[str]) -> list[str]:
-        from gasloc.maddrs import expand_initial_peers
+        from gasloc.runtime.maddrs import expand_initial_peers
 
         return expand_initial_peers(v)
 
@@ -41,7 +41,7 @@ class DoctorConfig(BaseModel):
 
 
 def run_checks(cfg: DoctorConfig) -> list:
-    from gasloc.health import check_cuda, check_dir_writable, check_disk, check_port, network_checks
+    from gasloc.cli.doctor_checks import check_cuda, check_dir_writable, check_disk, check_port, network_checks
 
     checks = [check_port(cfg.port)]
     checks += network_checks(cfg.initial_peers, cfg.announce_maddrs, cfg.public, cfg.timeout_s, cfg.max_clock_skew_s)
@@ -83,8 +83,8 @@ def render(checks: list) -> None:
 @click.option("--timeout-s", type=float, help="per network step [10]")
 def doctor(config_file, print_config, **flags) -> None:
     """Check this machine for a swarm: p2pd, initial peers, addresses, port, clock, GPU, disk; exit 1 on FAIL."""
-    from gasloc.config import resolve_for_cli
-    from gasloc.logs import setup_logging
+    from gasloc.runtime.config import resolve_for_cli
+    from gasloc.runtime.logs import setup_logging
 
     cfg = resolve_for_cli(DoctorConfig, config_file, flags, print_config)
     setup_logging("WARNING")

@@ -1,5 +1,5 @@
 """The `gasloc` command: a thin click layer. Each subcommand lives beside the component it runs, builds that
-component's config (gasloc.config.resolve) and calls one `run(config)`. Subcommands load lazily, so `gasloc sim`
+component's config (gasloc.runtime.config.resolve) and calls one `run(config)`. Subcommands load lazily, so `gasloc sim`
 never imports hivemind and `gasloc --help` is fast."""
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from gasloc import __version__
 COMMANDS = {
     "peer": "gasloc.peer.cli:peer",
     "bootstrap": "gasloc.bootstrap.cli:bootstrap",
-    "swarm": "gasloc.swarm:swarm",
+    "swarm": "gasloc.cli.swarm:swarm",
     "sim": "gasloc.sim.cli:sim",
-    "doctor": "gasloc.doctor:doctor",
-    "export": "gasloc.peer.export:export",
-    "tokenize": "gasloc.peer.tokenize_cli:tokenize",
-    "presets": "gasloc.presets:presets",
-    "config-reference": "gasloc.configref:config_reference",
+    "doctor": "gasloc.cli.doctor:doctor",
+    "export": "gasloc.peer.train.export:export",
+    "tokenize": "gasloc.peer.train.tokenize_cli:tokenize",
+    "presets": "gasloc.cli.presets:presets",
+    "config-reference": "gasloc.cli.configref:config_reference",
 }
 
 
@@ -41,5 +41,5 @@ def cli() -> None:
     """Peer-to-peer LLM pre-training with GASLoC (gossip + outer momentum) over hivemind."""
 
 
-if __name__ == "__main__":  # `python -m gasloc.main`: how supervisors start children with their own interpreter
+if __name__ == "__main__":  # `python -m gasloc.cli.main`: how supervisors start children with their own interpreter
     cli()

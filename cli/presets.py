@@ -5,7 +5,7 @@ import click
 @click.command()
 def presets() -> None:
     """List model presets with parameter counts and fp32 training memory."""
-    from gasloc.peer.model import preset_table
+    from gasloc.peer.train.model import preset_table
 
     click.echo("| preset | dim | layers | heads (kv) | params, byte vocab | params, 32k vocab | fp32 train GB, 32k |")
     click.echo("|---|---|---|---|---|---|---|")

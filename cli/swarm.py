@@ -68,8 +68,8 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from gasloc.procs import ChildFailed, StopSignals, Supervisor, gasloc_argv
-    from gasloc.swarmview import JsonlTail, PeerView, live_table, plot_losses, summary_dict, summary_table
+    from gasloc.cli.swarmview import JsonlTail, PeerView, live_table, plot_losses, summary_dict, summary_table
+    from gasloc.runtime.procs import ChildFailed, StopSignals, Supervisor, gasloc_argv
 
     run_dir = cfg.run_dir or Path("runs") / time.strftime("swarm-%Y%m%d-%H%M%S")
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -195,8 +195,8 @@ def swarm(config_file, print_config, peer_args, **flags) -> None:
 
     Arguments after `--` go to every `gasloc peer`, e.g. `gasloc swarm --peers 2 -- --max-rounds 20`.
     GASLOC_* environment variables are passed to the peers (the swarm itself reads none)."""
-    from gasloc.config import resolve_for_cli
-    from gasloc.logs import setup_logging
+    from gasloc.runtime.config import resolve_for_cli
+    from gasloc.runtime.logs import setup_logging
 
     cfg = resolve_for_cli(SwarmRunConfig, config_file, flags, print_config, environ={})
     setup_logging(os.environ.get("GASLOC_LOG_LEVEL", "WARNING"))

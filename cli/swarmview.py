@@ -1,5 +1,5 @@
 """What `gasloc swarm` shows: per-peer state from each peer's metrics.jsonl (tailed), the live table, the final
-summary and the loss-against-time PNG. No processes here: see gasloc.swarm for those."""
+summary and the loss-against-time PNG. No processes here: see gasloc.cli.swarm for those."""
 from __future__ import annotations
 
 import json

@@ -29,8 +29,8 @@ import click
 def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, port, host_maddrs, announce_maddrs,
          identity_path, device, max_rounds, max_seconds, no_checkpoint) -> None:
     """Join a training swarm (or start one) and train until Ctrl+C or SIGTERM."""
-    from gasloc.config import ConfigError, dump_toml, resolve
     from gasloc.peer.config import PeerConfig
+    from gasloc.runtime.config import ConfigError, dump_toml, resolve
 
     flags = {
         "network.initial_peers": initial_peers, "swarm.run_id": run_id, "run.run_dir": run_dir,
@@ -49,13 +49,14 @@ def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, p
         click.echo(dump_toml(cfg), nl=False)
         return
 
-    from gasloc.logs import setup_logging
+    from gasloc.runtime.logs import setup_logging
     setup_logging()
-    from gasloc.peer.daemon import Peer, PeerStartupError
+    from gasloc.peer.daemon import Peer
+    from gasloc.runtime.lifecycle import StartupError
 
     try:
         code = Peer(cfg).run()
-    except PeerStartupError as e:
+    except StartupError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(1)
     sys.exit(code)

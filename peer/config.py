@@ -1,5 +1,5 @@
 """`gasloc peer`'s configuration: one pydantic tree, resolved as defaults < TOML < GASLOC_* env < flags
-(gasloc.config.resolve). Hyperparameters live in the sections of the components they configure (model, data,
+(gasloc.runtime.config.resolve). Hyperparameters live in the sections of the components they configure (model, data,
 inner, outer, exchange, state_transfer, checkpoint); the peer's own sections are network (where it listens and
 whom it dials), swarm (membership, partner choice, joining), diloco (the all-reduce baseline) and run
 (directories, limits, device).
@@ -11,16 +11,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gasloc.maddrs import check_announce_ports, check_maddrs, expand_initial_peers
 from gasloc.peer.checkpoint import CheckpointConfig
-from gasloc.peer.data import DataConfig
-from gasloc.peer.exchange import ExchangeConfig
-from gasloc.peer.inner import InnerConfig
-from gasloc.peer.model import ModelConfig
-from gasloc.peer.outer import OuterConfig
-from gasloc.peer.state_transfer import StateTransferConfig
+from gasloc.peer.train.data import DataConfig
+from gasloc.peer.train.inner import InnerConfig
+from gasloc.peer.train.model import ModelConfig
+from gasloc.peer.train.outer import OuterConfig
+from gasloc.peer.transport.exchange import ExchangeConfig
+from gasloc.peer.transport.state_transfer import StateTransferConfig
 from gasloc.protocol.messages import check_run_id
-
+from gasloc.runtime.maddrs import check_announce_ports, check_maddrs, expand_initial_peers
 
 
 class _Section(BaseModel):
@@ -94,7 +93,7 @@ class SwarmConfig(_Section):
     _run_id = field_validator("run_id")(check_run_id)
 
     @model_validator(mode="after")
-    def _orders_and_ratios(self) -> "SwarmConfig":
+    def _orders_and_ratios(self) -> SwarmConfig:
         if self.max_backoff_s < self.min_backoff_s:
             raise ValueError(f"max_backoff_s {self.max_backoff_s} is below min_backoff_s {self.min_backoff_s}")
         if 0 < self.slower_link_ratio <= 1:
@@ -116,7 +115,7 @@ class DilocoConfig(_Section):
     next_chunk_timeout_s: float = Field(10.0, gt=0, description="a groupmate silent this long is dropped")
 
     @model_validator(mode="after")
-    def _timeouts(self) -> "DilocoConfig":
+    def _timeouts(self) -> DilocoConfig:
         if self.request_timeout_s >= self.matchmaking_time_s:
             raise ValueError("request_timeout_s must be below matchmaking_time_s (hivemind deadlocks otherwise)")
         if self.averaging_timeout_s <= self.matchmaking_time_s:
@@ -157,7 +156,7 @@ class PeerConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
-    def _communicating(self) -> "PeerConfig":
+    def _communicating(self) -> PeerConfig:
         if self.outer.algorithm == "local":
             raise ValueError("outer.algorithm 'local' never communicates: it runs in `gasloc sim`, not in a swarm")
         return self

@@ -2,15 +2,15 @@
 
 Threads: the training loop runs in the main thread (which also owns the signal handlers and forks the DHT and
 averager children: their death signal is tied to it); the peer's asyncio work - DHT calls, announcements, the
-Exchanger, the state server - runs on a uvloop in its own thread (peer/aio.py). The training thread only waits on
+Exchanger, the state server - runs on a uvloop in its own thread (runtime/aio.py). The training thread only waits on
 that loop where a round explicitly asks for it (finding a partner), always with a deadline.
 
 Failure semantics: a round's communication either completes and passes its checks (outcome ok, mixed in) or is
 skipped (a solo round: outer.apply(params, sent)); nothing waits for the swarm. SIGINT/SIGTERM set a flag: the
 current round finishes (or its exchange aborts at its deadline), a checkpoint is written if configured, the DHT
 record is withdrawn, and every child (DHT, p2pd, averager) is shut down before exit 0. A second signal (more than a
-second after the first: gasloc.procs.StopSignals) exits at once (130); the children then die through their death
-signal (peer/safeproc.py).
+second after the first: gasloc.runtime.procs.StopSignals) exits at once (130); the children then die through their death
+signal (runtime/safeproc.py).
 """
 from __future__ import annotations
 
@@ -22,21 +22,25 @@ import signal
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from gasloc.peer.absence import resync_due
 from gasloc.peer.config import PeerConfig
-from gasloc.peer.data import build_data, evaluate
-from gasloc.peer.inner import make_inner_optimizer, run_inner_phase
 from gasloc.peer.metrics import JsonlSink, MetricsSink, NullSink, peak_memory_mb
-from gasloc.peer.model import autocast_for, build_model, maybe_compile
-from gasloc.peer.outer import make_outer
-from gasloc.peer.round_report import RoundExchange, relative_distance
-from gasloc.peer.safeproc import remove_own_shm
-from gasloc.procs import StopSignals
+from gasloc.peer.swarm.absence import resync_due
+from gasloc.peer.swarm.gossip import Background
+from gasloc.peer.swarm.network import Network, PeerStatus
+from gasloc.peer.swarm.round_report import RoundExchange, relative_distance
+from gasloc.peer.train.data import build_data, evaluate
+from gasloc.peer.train.inner import make_inner_optimizer, run_inner_phase
+from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
+from gasloc.peer.train.outer import make_outer
 from gasloc.protocol.averaging import mix
+from gasloc.runtime.lifecycle import StartupError, shutdown_step
+from gasloc.runtime.procs import StopSignals
+from gasloc.runtime.safeproc import remove_own_shm
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +48,9 @@ EXIT_OK, EXIT_ERROR, EXIT_FORCED = 0, 1, 130
 LINK_DECAY = 0.9  # per exchange: a link estimate from 20 exchanges ago counts for 0.9^20 = 12%
 
 
-class PeerStartupError(RuntimeError):
-    """The peer cannot start (network, run directory, ...). The message is one line for the user."""
-
-
 def pick_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
-        raise PeerStartupError("run.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+        raise StartupError("run.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
     return torch.device("cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu")
 
 
@@ -63,7 +63,7 @@ def lock_run_dir(run_dir: Path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        raise PeerStartupError(f"run directory {run_dir} is in use by another peer; give each peer its own "
+        raise StartupError(f"run directory {run_dir} is in use by another peer; give each peer its own "
                                f"--run-dir") from None
     return f
 
@@ -77,6 +77,21 @@ def worker_seed(run_dir: Path) -> str:
         tmp.write_text(secrets.token_hex(8) + "\n")
         os.replace(tmp, path)
     return path.read_text().strip()
+
+
+@dataclass
+class InnerPhase:
+    steps: int
+    loss: float
+    compute_s: float
+
+
+@dataclass
+class Pending:
+    """outer.overlap: a round whose exchange is still running in the background."""
+    sent: list[torch.Tensor]
+    background: Background
+    eval_due: bool
 
 
 class Peer:
@@ -93,23 +108,24 @@ class Peer:
         self.throughput_tps = 0.0
         self.bandwidth_bps = 0.0
         self.peer_id = ""
-        self.net = None        # gasloc.peer.network.Network: DHT, p2p, membership, state server
+        self.net = None        # gasloc.peer.swarm.network.Network: DHT, p2p, membership, state server
         self.averaging = None  # GossipAveraging | DilocoAveraging
         self._lock_file = None
         self._saved_round = 0
         self._round_s: deque[float] = deque(maxlen=10)  # recent round durations: the yardstick for an absence
-        self._pending = None  # outer.overlap: (sent, the background exchange, evaluate?) of the previous round
+        self._pending: Pending | None = None  # outer.overlap: the previous round's exchange in the background
+        self._landed: tuple[RoundExchange, float | None, float | None] | None = None  # ... once mixed in
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
-        """Start, train until a limit or a signal, shut down; returns the exit code. PeerStartupError (one line
+        """Start, train until a limit or a signal, shut down; returns the exit code. StartupError (one line
         for the user) propagates after everything started so far was shut down."""
         self._install_signals()
         try:
             self._startup()
             if not self.stopping.is_set():
                 self._main_loop()
-        except PeerStartupError:
+        except StartupError:
             self.stop_reason = "startup_failed"
             raise
         finally:
@@ -132,8 +148,7 @@ class Peer:
         self.stopping.set()
 
     def _startup(self) -> None:
-        from gasloc.peer.network import Network
-        from gasloc.procs import emit_ready
+        from gasloc.runtime.procs import emit_ready
 
         cfg = self.cfg
         self.run_dir = cfg.run_dir
@@ -146,11 +161,11 @@ class Peer:
         try:  # before any networking: a bad data setting fails in a second, not after joining the swarm
             self.data, tok = build_data(cfg.data, cfg.model.seq_len, worker_seed=worker_seed(self.run_dir))
         except ValueError as e:
-            raise PeerStartupError(f"data: {e}") from None
+            raise StartupError(f"data: {e}") from None
 
         # The DHT child is forked from the main thread (its death signal is tied to this thread), before the model
         # exists: a small fork.
-        self.net = Network(cfg, self)
+        self.net = Network(cfg, status=self._status)
         self.net.start_dht()
         self.peer_id = self.net.peer_id
 
@@ -166,7 +181,7 @@ class Peer:
         self._install_signals()  # hivemind's averager start sets SIGINT to SIG_IGN in this process
         self.net.start_services()
         joined_from = self._resume_or_join()
-        self.net.publish_state()
+        self.net.publish_state(self.snapshot())
         self.net.start_state_server()
         # what the exchange carries: the shapes of outer.outgoing (NoLoCo sends two tensors per parameter)
         probe = make_outer(cfg.outer, self.params).outgoing(self.params)
@@ -186,10 +201,10 @@ class Peer:
 
     def _make_averaging(self):
         if self.cfg.outer.algorithm == "diloco":
-            from gasloc.peer.diloco_swarm import DilocoAveraging
+            from gasloc.peer.swarm.diloco import DilocoAveraging
             return DilocoAveraging(self.cfg, self.net, self.params, stopping=self.stopping,
                                    set_state=self._set_state)
-        from gasloc.peer.gossip_swarm import GossipAveraging
+        from gasloc.peer.swarm.gossip import GossipAveraging
         return GossipAveraging(self.cfg, self.net, stopping=self.stopping, set_state=self._set_state,
                                own_link=lambda: self.bandwidth_bps)
 
@@ -223,7 +238,7 @@ class Peer:
         return donor
 
     def _maybe_resync(self) -> bool:
-        """After a stop that outlived our DHT record (peer/absence.py), rejoin like a joiner: download the swarm's
+        """After a stop that outlived our DHT record (peer/swarm/absence.py), rejoin like a joiner: download the swarm's
         state instead of mixing our stale model in. True when the state was replaced (the round's own work is
         then dropped: it was computed on the stale model)."""
         absent_s = self.net.absence.take()
@@ -242,7 +257,7 @@ class Peer:
             log.warning("resync: no state downloaded; mixing our own model back in")
             self._set_state("training")
             return False
-        self.net.publish_state()
+        self.net.publish_state(self.snapshot())
         val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
         self.sink.emit("resync", peer_id=self.peer_id, absent_s=absent_s, joined_from=donor, from_round=from_round,
                        round=self.round, val_loss=val_loss)
@@ -284,59 +299,91 @@ class Peer:
             rounds_done += 1
 
     def _one_round(self) -> None:
-        cfg = self.cfg
-        t_start = time.monotonic()
-        if self._pending is None:  # overlap: the previous round's partner search goes on, in state "exchanging"
-            self._set_state("training")
-        late: list[tuple[RoundExchange, float | None, float | None]] = []
+        (self._overlap_round if self.cfg.outer.overlap else self._plain_round)()
 
-        def arrived() -> None:  # overlap: add the previous round's mix right after the step during which it came
-            if not late and self._pending is not None and self._pending[1].done():
-                late.append(self._settle_pending())
+    def _plain_round(self) -> None:
+        """Inner steps, then the exchange (the training thread waits for it), the outer step, evaluation."""
+        t_start = time.monotonic()
+        self._set_state("training")
+        phase = self._train(t_start)
+        if phase is None or self._maybe_resync():
+            return
+        eval_due = self._eval_due()
+        sent = self.outer.outgoing(self.params)
+        ex, consensus, outer_s = self._exchange_and_apply(sent)
+        self._finish_round()
+        val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device)) if eval_due else None
+        self._report(t_start, phase, ex, consensus, outer_s, val_loss)
+
+    def _overlap_round(self) -> None:
+        """outer.overlap: the previous round's exchange runs during these inner steps and its mix is added right
+        after the step during which it landed; this round's outer step is applied at once as if solo, and its own
+        exchange starts in the background."""
+        t_start = time.monotonic()
+        if self._pending is None:  # else the previous round's partner search goes on, in state "exchanging"
+            self._set_state("training")
+        phase = self._train(t_start, after_step=self._mix_if_landed)
+        if phase is None:
+            return
+        landed, self._landed = self._landed, None
+        # the previous round's exchange (and evaluation), waited for now if it has not landed yet
+        ex, consensus, val_loss = landed or self._settle_pending()
+        if self._maybe_resync():
+            return
+        eval_due = self._eval_due()
+        sent = self.outer.outgoing(self.params)
+        t_outer = time.monotonic()
+        self.outer.apply(self.params, sent)  # as if solo: the mix arrives during the next inner phase
+        outer_s = time.monotonic() - t_outer
+        if not self.stopping.is_set():
+            background = self.averaging.begin([t.detach().to("cpu") for t in sent], self.round,
+                                              window_s=phase.compute_s)
+            self._pending = Pending(sent, background, eval_due)
+        self._finish_round()
+        self._report(t_start, phase, ex, consensus, outer_s, val_loss)
+
+    # ------------------------------------------------------------------ the steps rounds are made of
+    def _train(self, t_start: float, after_step=lambda: None) -> InnerPhase | None:
+        """This round's inner steps; None when a stop came before the first one (nothing to exchange or apply:
+        momentum alone is no round)."""
+        cfg = self.cfg
         steps, loss = run_inner_phase(self.model, self.opt, self.data.next_batch, self.inner_steps_total, cfg.inner,
                                       self.device, autocast_for(self.device), should_stop=self.stopping.is_set,
-                                      after_step=arrived)
+                                      after_step=after_step)
         if steps == 0:
-            return  # stopped before the first step: nothing to exchange or apply (momentum alone is no round)
+            return None
         self.inner_steps_total += steps
         compute_s = time.monotonic() - t_start
         self.throughput_tps = steps * cfg.data.batch_size * cfg.model.seq_len / max(compute_s, 1e-9)
-        if cfg.outer.overlap:  # the previous round's exchange (and evaluation): not arrived yet, wait for it now
-            ex, consensus, val_loss = late[0] if late else self._settle_pending()
-        if self._maybe_resync():
-            return
-        eval_due = (self.round + 1) % cfg.run.eval_every_rounds == 0 or self.round == 0
+        return InnerPhase(steps, loss, compute_s)
 
-        sent = self.outer.outgoing(self.params)
-        if cfg.outer.overlap:
-            t_outer = time.monotonic()
-            self.outer.apply(self.params, sent)  # as if solo: the mix arrives during the next inner phase
-            outer_s = time.monotonic() - t_outer
-            if not self.stopping.is_set():
-                self._pending = sent, self.averaging.begin([t.detach().to("cpu") for t in sent], self.round,
-                                                           window_s=compute_s), eval_due
-        else:
-            ex, consensus, outer_s = self._exchange_and_apply(sent)
+    def _eval_due(self) -> bool:
+        return (self.round + 1) % self.cfg.run.eval_every_rounds == 0 or self.round == 0
+
+    def _finish_round(self) -> None:
+        """The round boundary: the count moves on and joiners may download this state."""
         self.round += 1
-        self.net.publish_state()
+        self.net.publish_state(self.snapshot())
 
-        if not cfg.outer.overlap:  # (overlap: the previous round's, evaluated once its mix was in)
-            val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device)) if eval_due else None
+    def _report(self, t_start: float, phase: InnerPhase, ex: RoundExchange, consensus: float | None,
+                outer_s: float, val_loss: float | None) -> None:
+        """The round's metrics line and log line, and a checkpoint when one is due."""
         round_s = time.monotonic() - t_start
         self._round_s.append(round_s)
         outcome = ex.outcome if ex.ok or ex.attempts else "solo"
         self.sink.emit(
-            "round", peer_id=self.peer_id, round=self.round, inner_steps=steps,
-            total_inner_steps=self.inner_steps_total, loss=loss, val_loss=val_loss, outcome=outcome,
+            "round", peer_id=self.peer_id, round=self.round, inner_steps=phase.steps,
+            total_inner_steps=self.inner_steps_total, loss=phase.loss, val_loss=val_loss, outcome=outcome,
             partner=ex.partner, group_size=ex.group_size,
             bytes_sent=ex.bytes_sent, bytes_received=ex.bytes_received, exchange_s=ex.exchange_s,
-            consensus=consensus, compute_s=compute_s, wait_s=ex.wait_s, transfer_s=ex.transfer_s, outer_s=outer_s,
-            round_s=round_s, tokens_per_s=self.throughput_tps, peak_mem_mb=peak_memory_mb(self.device),
-            attempts=ex.attempts, passed_over=ex.passed_over, live_peers=self.live_count(), detail=ex.detail or None)
-        log.info("round=%d loss=%.4f%s partner=%s outcome=%s MB=%.2f s=%.2f exchange_s=%.2f", self.round, loss,
+            consensus=consensus, compute_s=phase.compute_s, wait_s=ex.wait_s, transfer_s=ex.transfer_s,
+            outer_s=outer_s, round_s=round_s, tokens_per_s=self.throughput_tps,
+            peak_mem_mb=peak_memory_mb(self.device), attempts=ex.attempts, passed_over=ex.passed_over,
+            live_peers=self.live_count(), detail=ex.detail or None)
+        log.info("round=%d loss=%.4f%s partner=%s outcome=%s MB=%.2f s=%.2f exchange_s=%.2f", self.round, phase.loss,
                  f" val_loss={val_loss:.4f}" if val_loss is not None else "", _short(ex.partner), outcome,
                  (ex.bytes_sent + ex.bytes_received) / 1e6, round_s, ex.exchange_s)
-        if cfg.checkpoint is not None and self.round % cfg.checkpoint.every_rounds == 0:
+        if self.cfg.checkpoint is not None and self.round % self.cfg.checkpoint.every_rounds == 0:
             self._save_checkpoint()
 
     def _exchange_and_apply(self, sent: list[torch.Tensor]) -> tuple[RoundExchange, float | None, float]:
@@ -374,9 +421,10 @@ class Peer:
         point a plain round evaluates. (Evaluated at round end, the model would lack the mix still in flight.)"""
         if self._pending is None:
             return RoundExchange(outcome="solo"), None, None
-        (sent, pending, eval_due), self._pending = self._pending, None
+        pending, self._pending = self._pending, None
+        sent, eval_due = pending.sent, pending.eval_due
         t = time.monotonic()
-        ex = self.averaging.settle(pending)
+        ex = self.averaging.settle(pending.background)
         ex.wait_s, ex.overlapped = time.monotonic() - t, True
         self._note_bandwidth(ex)
         consensus = None
@@ -384,6 +432,11 @@ class Peer:
             mixed, consensus = self._mixed(sent, ex)
             self.outer.late_mix(self.params, sent, mixed)
         return ex, consensus, self._evaluate_at(self.outer.anchor) if eval_due and evaluate_due else None
+
+    def _mix_if_landed(self) -> None:
+        """After each inner step of an overlapped round: add the previous round's mix as soon as it has landed."""
+        if self._landed is None and self._pending is not None and self._pending.background.done():
+            self._landed = self._settle_pending()
 
     def _settle_last(self) -> None:
         ex, _, _ = self._settle_pending(evaluate_due=False)
@@ -410,6 +463,9 @@ class Peer:
             if announce:
                 self.net.announce(wait=wait)
 
+    def _status(self) -> PeerStatus:
+        return PeerStatus(self.state, self.round, self.throughput_tps, self.bandwidth_bps)
+
     def snapshot(self) -> tuple[dict, list[torch.Tensor]]:
         """A copy of what a joiner downloads, taken at a round boundary (params == the outer anchor), on the CPU:
         metadata and the parameters followed by the outer state (metadata["num_outer"] of them)."""
@@ -421,34 +477,26 @@ class Peer:
         # Leave the listing first, so nobody picks us as a partner while we stop; then the exchange (an exchange
         # in flight ends within its deadline), then the network and the DHT child.
         if self.net is not None:
-            _step("withdraw", self.net.withdraw)
+            shutdown_step("withdraw", self.net.withdraw)
         unsaved = self.round > self._saved_round
         if self._pending is not None:  # overlap: the last round's mix belongs in the checkpoint
             self.stopping.set()  # (also after --max-rounds) no new attempts: we left the listing; one in flight ends
-            _step("settle the last exchange", self._settle_last)
+            shutdown_step("settle the last exchange", self._settle_last)
             unsaved = True  # even if this round was saved: the mix just added is not in it
         # every round ends with outer.apply, so the state here is at a round boundary: safe to checkpoint
         # (self.averaging is set once the model, optimizer and outer state exist)
         if self.averaging is not None and self.cfg.checkpoint is not None and unsaved:
-            _step("checkpoint", self._save_checkpoint)
+            shutdown_step("checkpoint", self._save_checkpoint)
         if self.averaging is not None:
-            _step("averaging.close", self.averaging.close)
+            shutdown_step("averaging.close", self.averaging.close)
         if self.net is not None:
-            _step("network.close", self.net.close)
+            shutdown_step("network.close", self.net.close)
         remove_own_shm()
         self.sink.emit("stop", peer_id=self.peer_id, round=self.round, reason=self.stop_reason)
         self.sink.close()
         if self._lock_file is not None:
             self._lock_file.close()
         log.info("stopped peer_id=%s round=%d reason=%s", self.peer_id, self.round, self.stop_reason)
-
-
-def _step(name: str, fn) -> None:
-    """Run one shutdown step; a failure is logged and the remaining steps still run (every child must go)."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - shutdown must continue past any one failure
-        log.warning("shutdown_step_failed step=%s error=%s: %s", name, type(e).__name__, e)
 
 
 def _short(peer_id: str | None) -> str:

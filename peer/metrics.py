@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+
 class MetricsSink(Protocol):
     def emit(self, event: str, **fields: Any) -> None: ...
 

@@ -14,7 +14,7 @@ class Code(IntEnum):
 
     voice: str
 
-    def __new__(cls, value: int, voice: str) -> "Code":
+    def __new__(cls, value: int, voice: str) -> Code:
         member = int.__new__(cls, value)
         member._value_ = value
         member.voice = voice
@@ -35,7 +35,7 @@ class Code(IntEnum):
     BAD_CHECKSUM = 12, "Your payload does not match the checksum your header declared."
 
     @classmethod
-    def parse(cls, value: int) -> "Code":
+    def parse(cls, value: int) -> Code:
         """The code for a received byte; an unknown value (a newer peer's code) reads as BAD_HEADER."""
         try:
             return cls(value)

@@ -62,7 +62,7 @@ class TensorSpec(_Wire):
         return math.prod(self.shape)
 
     @classmethod
-    def of(cls, shape: Sequence[int], dtype: Any) -> "TensorSpec":
+    def of(cls, shape: Sequence[int], dtype: Any) -> TensorSpec:
         """From a (shape, dtype) pair where dtype is a torch.dtype or its name."""
         return cls(shape=tuple(int(d) for d in shape), dtype=dtype_name(dtype))
 

@@ -18,8 +18,17 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from gasloc.protocol.codes import Code
-from gasloc.protocol.messages import (DTYPE_BYTES, MAX_STREAMS, PROTOCOL_VERSION, WIRE_DTYPES, ExchangeReply,
-                                      ExchangeRequest, StateReply, TensorSpec, payload_bytes)
+from gasloc.protocol.messages import (
+    DTYPE_BYTES,
+    MAX_STREAMS,
+    PROTOCOL_VERSION,
+    WIRE_DTYPES,
+    ExchangeReply,
+    ExchangeRequest,
+    StateReply,
+    TensorSpec,
+    payload_bytes,
+)
 
 LENGTH_PREFIX_BYTES = 4
 MAX_HEADER_BYTES = 1 << 20   # 1 MiB: ~20k tensor specs; a real header is a few KB

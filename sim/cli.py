@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from gasloc.config import ConfigError, dump_toml, resolve
+from gasloc.runtime.config import ConfigError, dump_toml, resolve
 
 ALGORITHMS = ("gasloc", "diloco", "noloco", "gossip", "local")
 TOPOLOGIES = ("complete", "random", "ring", "exponential")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gasloc.config import ConfigError, format_validation_error
+from gasloc.runtime.config import ConfigError, format_validation_error
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gasloc.peer.data import DataConfig
-from gasloc.peer.inner import InnerConfig
-from gasloc.peer.model import ModelConfig
-from gasloc.peer.outer import OuterConfig
+from gasloc.peer.train.data import DataConfig
+from gasloc.peer.train.inner import InnerConfig
+from gasloc.peer.train.model import ModelConfig
+from gasloc.peer.train.outer import OuterConfig
 from gasloc.protocol.matching import Topology
 from gasloc.sim.clock import PROFILES, Link
 
@@ -64,7 +64,7 @@ class SimConfig(BaseModel):
     clock: ClockConfig = Field(default_factory=ClockConfig)
 
     @model_validator(mode="after")
-    def _check(self) -> "SimConfig":
+    def _check(self) -> SimConfig:
         if self.data.shard_index is not None or self.data.num_shards != 1:
             raise ValueError("data.shard_index and data.num_shards are set by the simulator (worker i reads shard "
                              "i of K); remove them")

@@ -84,7 +84,7 @@ class LockstepEngine(Engine):
         partners = round_partners(self.topology, self.k, self.rng, num_partners=self.num_partners,
                                   weights=self.weights)
         trainer.mix_round({i: partners[i] for i in range(self.k)})
-        for i, j in sorted({(min(i, j), max(i, j)) for i in range(self.k) for j in partners[i]}):
+        for i, j in sorted({(min(a, b), max(a, b)) for a in range(self.k) for b in partners[a]}):
             wi, wj = self.workers[i], self.workers[j]
             start = max(self.clocks[i], self.clocks[j])  # both ready
             if self.overlap:  # a worker's exchanges of one round (two partners) still run one after the other

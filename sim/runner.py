@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from gasloc.peer.data import build_data, evaluate
-from gasloc.peer.inner import inner_step, make_inner_optimizer, steps_this_round
-from gasloc.peer.model import build_model
-from gasloc.peer.outer import make_outer
+from gasloc.peer.train.data import build_data, evaluate
+from gasloc.peer.train.inner import inner_step, make_inner_optimizer, steps_this_round
+from gasloc.peer.train.model import build_model
+from gasloc.peer.train.outer import make_outer
 from gasloc.protocol.averaging import exact_mean, mix
 from gasloc.protocol.matching import bandwidth_weights, graph_edges
 from gasloc.sim.clock import build_links

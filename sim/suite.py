@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gasloc.config import flags_tree
+from gasloc.runtime.config import flags_tree
 
 Result = dict
 Results = dict[str, Result]

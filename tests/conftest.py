@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from gasloc.procs import descendants, is_alive, process_table, socket_inodes, unix_socket_paths
+from gasloc.runtime.procs import descendants, is_alive, process_table, socket_inodes, unix_socket_paths
 
 
 class SessionWatch:

@@ -23,7 +23,7 @@ def harness(tmp_path):
         # A process that outlives SIGTERM + SIGKILL of its group escaped its session: always an error.
         # Sockets or shm files of a child that exited 0 mean its shutdown path leaks: an error too.
         # Those of a child killed by a signal (the test's kill -9, or our SIGKILL after a hung SIGTERM) are
-        # expected (hivemind-notes §5) and were removed by h.close().
+        # expected (docs/hivemind.md §5) and were removed by h.close().
         problems = []
         if left.processes:
             problems.append(f"processes survived stopping their group: {left.processes}")

@@ -1,4 +1,4 @@
-"""Real `gasloc` processes for end-to-end tests, on top of gasloc.procs (the same code `gasloc swarm` uses).
+"""Real `gasloc` processes for end-to-end tests, on top of gasloc.runtime.procs (the same code `gasloc swarm` uses).
 
     h.start("boot", "bootstrap", "--host-maddrs", LOOPBACK)  -> Child, after its READY line
     h.spawn(...)                  -> Child, without waiting (then h.wait_ready(child) or h.wait_exit(name))
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gasloc.procs import Child, Leftovers, Supervisor, gasloc_argv
+from gasloc.runtime.procs import Child, Leftovers, Supervisor, gasloc_argv
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 T = TypeVar("T")
@@ -95,7 +95,7 @@ class Harness:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-            raise AssertionError(f"gasloc {' '.join(map(str, args))} ran past {timeout_s} s; stderr:\n{err}")
+            raise AssertionError(f"gasloc {' '.join(map(str, args))} ran past {timeout_s} s; stderr:\n{err}") from None
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     # -- faults and stopping

@@ -20,8 +20,8 @@ def main() -> None:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
 
-    from gasloc.peer.membership import make_validators, parse_listing, peers_key
-    from gasloc.peer.safeproc import SafeDHT, remove_own_shm
+    from gasloc.peer.swarm.membership import make_validators, parse_listing, peers_key
+    from gasloc.runtime.safeproc import SafeDHT, remove_own_shm
 
     # the validators also strip the records' signatures: without them hivemind cannot decode a signed value
     dht = SafeDHT(initial_peers=args.initial_peers, start=True, client_mode=True,

@@ -150,12 +150,12 @@ def test_stock_dht_nodes_join_through_it_and_it_joins_a_stock_node(harness):
 
 
 def test_logs_swarm_size_of_the_run(harness):
-    """The count comes from the records peers announce (gasloc.peer.membership), under --run-id."""
+    """The count comes from the records peers announce (gasloc.peer.swarm.membership), under --run-id."""
     import asyncio
 
     import hivemind
 
-    from gasloc.peer.membership import Membership, make_validators
+    from gasloc.peer.swarm.membership import Membership, make_validators
 
     boot = harness.bootstrap("boot", "--run-id", "e2e-run", "--log-interval-s", "0.5")
     dhts = []

@@ -94,7 +94,7 @@ def test_checkpoint_dir_on_read_only_mount(harness, tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     script = f'mount -t tmpfs -o ro none "{ro}" && exec "$@"'
-    argv = ["unshare", "--mount", "sh", "-c", script, "sh", sys.executable, "-m", "gasloc.main", "doctor",
+    argv = ["unshare", "--mount", "sh", "-c", script, "sh", sys.executable, "-m", "gasloc.cli.main", "doctor",
             "--checkpoint-dir", str(ro / "ckpt")]
     child = harness.sup.start("doctor", argv, harness.run_dir / "doctor.log")
     assert child.popen.wait(90) == 1, harness.log("doctor")

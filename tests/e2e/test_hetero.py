@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gasloc.procs import is_alive, read_stat
+from gasloc.runtime.procs import is_alive, read_stat
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 _spec = importlib.util.spec_from_file_location("netlab", BENCH / "netlab.py")

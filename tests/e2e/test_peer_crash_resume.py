@@ -29,7 +29,7 @@ def test_sigkill_at_random_moments_always_resumes_from_a_valid_checkpoint(harnes
     for i in range(10):
         name = f"peer-{i}"
         h.start(name, "peer", "--config", config, "--host-maddrs", LOOPBACK, "--run-dir", run_dir)
-        start = h.wait_until(lambda: len(records(h, "start")) == i + 1 and records(h, "start")[-1], 60,
+        start = h.wait_until(lambda i=i: len(records(h, "start")) == i + 1 and records(h, "start")[-1], 60,
                              f"start record of restart {i}")
         if i == 0:
             assert start["round"] == 0
@@ -41,7 +41,7 @@ def test_sigkill_at_random_moments_always_resumes_from_a_valid_checkpoint(harnes
             # the loss goes on from where it was (not a fresh model's)
             assert start["initial_loss"] < last_val + 0.5, (start, last_val)
         n_before = len(records(h, "round"))
-        h.wait_until(lambda: len(records(h, "round")) >= n_before + 2, 90, f"two rounds after restart {i}")
+        h.wait_until(lambda n=n_before: len(records(h, "round")) >= n + 2, 90, f"two rounds after restart {i}")
         time.sleep(rng.uniform(0.0, 1.5))  # a random moment: inner steps, outer update or checkpoint write
         h.kill(name)
         assert h.wait_exit(name, 10) == -9

@@ -1,4 +1,4 @@
-"""gasloc.procs, the supervisor under the harness and `gasloc swarm`: its leak checks must be able to fail.
+"""gasloc.runtime.procs, the supervisor under the harness and `gasloc swarm`: its leak checks must be able to fail.
 Plain Python children (no hivemind), so these run in seconds."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from gasloc.procs import ChildFailed, Supervisor
+from gasloc.runtime.procs import ChildFailed, Supervisor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 # unix socket it never removes, then READY.
 LEAKY = textwrap.dedent("""
     import os, socket, subprocess, sys, time
-    from gasloc.procs import emit_ready
+    from gasloc.runtime.procs import emit_ready
     subprocess.Popen(["sleep", "300"], start_new_session=True)
     s = socket.socket(socket.AF_UNIX)
     s.bind(sys.argv[1])

@@ -8,10 +8,18 @@ import time
 
 import pytest
 
-from gasloc.procs import read_stat
-
-from e2e.swarm_helpers import (Listing, all_have, ok_partners, overhead_s, rounds, start_event, start_peers,
-                               val_losses, write_config)
+from e2e.swarm_helpers import (
+    Listing,
+    all_have,
+    ok_partners,
+    overhead_s,
+    rounds,
+    start_event,
+    start_peers,
+    val_losses,
+    write_config,
+)
+from gasloc.runtime.procs import read_stat
 
 EXCHANGE_TIMEOUT_S = 2.5  # [exchange] exchange_timeout_s in swarm_helpers.PEER_TOML
 DEADLINE_S = 1.2          # write_config's partner_deadline_s

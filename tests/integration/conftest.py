@@ -1,6 +1,5 @@
 """Integration tests: real p2pd daemons on loopback. Select with `pytest tests/integration`."""
 import pytest
-
 from p2p_helpers import check_partner_leftovers
 
 

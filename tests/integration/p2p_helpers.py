@@ -87,7 +87,7 @@ class Partner:
         self.p2pd_pid = -1
         self.sockets: list[str] = []
 
-    async def __aenter__(self) -> "Partner":
+    async def __aenter__(self) -> Partner:
         self.proc = await asyncio.create_subprocess_exec(sys.executable, str(PARTNER), *self.args,
                                                          stdout=asyncio.subprocess.PIPE,
                                                          stdin=asyncio.subprocess.DEVNULL)

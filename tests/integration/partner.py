@@ -15,11 +15,18 @@ import sys
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from gasloc.peer.channel import STREAM_ERRORS, Channel, read_header
-from gasloc.peer.state_transfer import _payload_digest, handler_name as state_handler_name
+from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
+from gasloc.peer.transport.state_transfer import _payload_digest
+from gasloc.peer.transport.state_transfer import handler_name as state_handler_name
 from gasloc.protocol.codes import Code
-from gasloc.protocol.messages import (PROTOCOL_VERSION, ExchangeReply, ExchangeRequest, StateReply, StateRequest,
-                                      TensorSpec)
+from gasloc.protocol.messages import (
+    PROTOCOL_VERSION,
+    ExchangeReply,
+    ExchangeRequest,
+    StateReply,
+    StateRequest,
+    TensorSpec,
+)
 from gasloc.protocol.wire import encode_header, lane_segments
 
 TRICKLE = 1 << 16

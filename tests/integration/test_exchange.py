@@ -8,15 +8,23 @@ import time
 import pytest
 import torch
 from hivemind.p2p import PeerID
-
 from p2p_helpers import Partner, arun, first_maddr, p2p_nodes, rss_bytes
-from gasloc.peer.channel import Channel, read_header
-from gasloc.peer.exchange import ExchangeConfig, Exchanger, Outcome
-from gasloc.peer.hivemind_sockets import descendants, owned_sockets, remove
+
+from gasloc.peer.transport.channel import Channel, read_header
+from gasloc.peer.transport.exchange import ExchangeConfig, Exchanger, Outcome
 from gasloc.protocol.codes import Code
-from gasloc.protocol.messages import (PROTOCOL_VERSION, ExchangeReply, ExchangeRequest, LaneHello, TensorSpec,
-                                      fingerprint, payload_bytes, specs_of)
+from gasloc.protocol.messages import (
+    PROTOCOL_VERSION,
+    ExchangeReply,
+    ExchangeRequest,
+    LaneHello,
+    TensorSpec,
+    fingerprint,
+    payload_bytes,
+    specs_of,
+)
 from gasloc.protocol.wire import encode_header
+from gasloc.runtime.sockets import owned_sockets, remove, subtree
 
 NS = "xtest"
 FP = fingerprint(preset="test", seq_len=16)
@@ -473,7 +481,7 @@ def test_exchange_over_the_dhts_own_daemons():
         arun(main())
     finally:
         # hivemind's DHT leaves its socket files behind: note ours while the processes live, remove them after
-        sockets = owned_sockets(descendants(os.getpid()))
+        sockets = owned_sockets(subtree(os.getpid()))
         for d in dhts:
             d.shutdown()
         remove(sockets)
@@ -487,6 +495,7 @@ def test_recycled_tensors_are_reused_and_fast_partners_get_fewer_streams():
             ea = exchanger(a, min_stream_bytes=4096, max_streams=16, fast_link_bytes_per_s=1.0, fast_link_streams=2)
             eb = exchanger(b, wire_dtype="bfloat16")
             await ea.start(), await eb.start()
+            ptr_a = ptr_b = None  # the memory the previous round received into
             for rnd in range(3):
                 ta, tb = tensors(10 + rnd), tensors(20 + rnd)
                 ea.offer(ta, rnd), eb.offer(tb, rnd)

@@ -4,13 +4,18 @@ import time
 
 import pytest
 import torch
+from p2p_helpers import Partner, arun, p2p_nodes
 
-from gasloc.peer.channel import Channel, read_header
-from gasloc.peer.state_transfer import (StateDownloadError, StateServer, StateTransferConfig, download_state,
-                                        handler_name)
+from gasloc.peer.transport.channel import Channel, read_header
+from gasloc.peer.transport.state_transfer import (
+    StateDownloadError,
+    StateServer,
+    StateTransferConfig,
+    download_state,
+    handler_name,
+)
 from gasloc.protocol.messages import PROTOCOL_VERSION, StateReply, StateRequest, TensorSpec, fingerprint, payload_bytes
 from gasloc.protocol.wire import encode_header
-from p2p_helpers import Partner, arun, p2p_nodes
 
 NS = "stest"
 FP = fingerprint(preset="test", seq_len=16)

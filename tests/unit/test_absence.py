@@ -1,9 +1,9 @@
-"""The stop detector and the resync rule (peer/absence.py) on a hand-driven clock."""
+"""The stop detector and the resync rule (peer/swarm/absence.py) on a hand-driven clock."""
 from __future__ import annotations
 
 import pytest
 
-from gasloc.peer.absence import AbsenceWatch, resync_due
+from gasloc.peer.swarm.absence import AbsenceWatch, resync_due
 
 
 class Clock:

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gasloc.peer.checkpoint import (CheckpointConfig, config_fingerprint, load_latest, read_checkpoint,
-                                    save_checkpoint)
-from gasloc.peer.data import DataConfig, build_data
-from gasloc.peer.inner import InnerConfig, inner_step, make_inner_optimizer
-from gasloc.peer.model import ModelConfig, build_model
-from gasloc.peer.outer import OuterConfig, make_outer
+from gasloc.peer.checkpoint import CheckpointConfig, config_fingerprint, load_latest, read_checkpoint, save_checkpoint
+from gasloc.peer.train.data import DataConfig, build_data
+from gasloc.peer.train.inner import InnerConfig, inner_step, make_inner_optimizer
+from gasloc.peer.train.model import ModelConfig, build_model
+from gasloc.peer.train.outer import OuterConfig, make_outer
 
 FP = "fp-test"
 

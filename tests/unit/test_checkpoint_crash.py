@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from gasloc.peer.checkpoint import CheckpointConfig, load_latest
-from gasloc.peer.inner import InnerConfig, make_inner_optimizer
-from gasloc.peer.model import ModelConfig, build_model
-from gasloc.peer.outer import OuterConfig, make_outer
+from gasloc.peer.train.inner import InnerConfig, make_inner_optimizer
+from gasloc.peer.train.model import ModelConfig, build_model
+from gasloc.peer.train.outer import OuterConfig, make_outer
 
 # The writer: resumes from the latest checkpoint, then saves rounds r+1, r+2, ... forever, each with every
 # parameter equal to r, and prints "saved r" after each save. It does nothing but save, so a kill lands inside a
@@ -23,9 +23,9 @@ from gasloc.peer.outer import OuterConfig, make_outer
 WRITER = r"""
 import sys, torch
 from gasloc.peer.checkpoint import CheckpointConfig, load_latest, save_checkpoint
-from gasloc.peer.inner import InnerConfig, make_inner_optimizer
-from gasloc.peer.model import ModelConfig, build_model
-from gasloc.peer.outer import OuterConfig, make_outer
+from gasloc.peer.train.inner import InnerConfig, make_inner_optimizer
+from gasloc.peer.train.model import ModelConfig, build_model
+from gasloc.peer.train.outer import OuterConfig, make_outer
 torch.set_num_threads(1)
 cfg = CheckpointConfig(dir=sys.argv[1], keep=2)
 model = build_model(ModelConfig(preset="tiny", seq_len=32), 256)

@@ -2,9 +2,9 @@
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from gasloc.config import ConfigError, dump_toml, resolve
-from gasloc.peer.model import ModelConfig
-from gasloc.peer.outer import OuterConfig
+from gasloc.peer.train.model import ModelConfig
+from gasloc.peer.train.outer import OuterConfig
+from gasloc.runtime.config import ConfigError, dump_toml, resolve
 
 
 class Cfg(BaseModel):

@@ -3,7 +3,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from gasloc.configref import CONFIGS, config_reference, render
+from gasloc.cli.configref import CONFIGS, config_reference, render
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

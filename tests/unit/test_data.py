@@ -11,10 +11,10 @@ import torch
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from gasloc.main import cli
-from gasloc.peer.data import ByteTokenizer, DataConfig, TokenData, build_data, embedded_tokens, evaluate
-from gasloc.peer.sources import ShardWriter, TokenSeq, open_token_shard
-from gasloc.peer.tokenizer import load_tokenizer
+from gasloc.cli.main import cli
+from gasloc.peer.train.data import ByteTokenizer, DataConfig, TokenData, build_data, embedded_tokens, evaluate
+from gasloc.peer.train.sources import ShardWriter, TokenSeq, open_token_shard
+from gasloc.peer.train.tokenizer import load_tokenizer
 
 SEQ = 32
 
@@ -176,7 +176,7 @@ def test_tokenize_cli_errors_exit_2_with_one_line(tmp_path):
 
 
 def test_evaluate_accepts_an_autocast_context():
-    from gasloc.peer.model import ModelConfig, autocast_for, build_model
+    from gasloc.peer.train.model import ModelConfig, autocast_for, build_model
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(seq_len=SEQ), 256)

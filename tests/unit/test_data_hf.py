@@ -13,9 +13,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from gasloc.peer.data import DataConfig, TokenData, build_data  # noqa: E402
-from gasloc.peer.stream import StreamData  # noqa: E402
-from gasloc.peer.tokenizer import HFTokenizer, load_tokenizer  # noqa: E402
+from gasloc.peer.train.data import DataConfig, TokenData, build_data  # noqa: E402
+from gasloc.peer.train.hfdata import StreamData  # noqa: E402
+from gasloc.peer.train.tokenizer import HFTokenizer, load_tokenizer  # noqa: E402
 
 SEQ = 16
 N_DOCS = 90
@@ -170,7 +170,7 @@ def test_stream_errors_are_one_line(tok_dir, jsonl, tmp_path):
 def test_tokenize_cli_from_a_streamed_dataset_with_hf_tokenizer(tok_dir, jsonl, tmp_path):
     from click.testing import CliRunner
 
-    from gasloc.main import cli
+    from gasloc.cli.main import cli
 
     out = tmp_path / "shards"
     res = CliRunner().invoke(cli, ["tokenize", "--hf-dataset", "json", "--input", str(jsonl / "*.jsonl"),

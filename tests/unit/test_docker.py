@@ -17,8 +17,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from gasloc.main import cli
-from gasloc.peer import health
+from gasloc.cli.main import cli
+from gasloc.peer import healthcheck as health
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = "31337"
@@ -60,7 +60,7 @@ def test_dockerfile_layers_user_ports_volumes_entrypoint():
     assert json.loads(dict(ins)["ENTRYPOINT"]) == ["gasloc"]
     check = dict(ins)["HEALTHCHECK"]
     cmd = json.loads(check[check.index("CMD") + 3:].strip())
-    assert cmd[:3] == ["python", "-m", "gasloc.peer.health"] and cmd[cmd.index("--tcp-port") + 1] == PORT
+    assert cmd[:3] == ["python", "-m", "gasloc.peer.healthcheck"] and cmd[cmd.index("--tcp-port") + 1] == PORT
 
 
 def _hadolint() -> str | None:
@@ -114,7 +114,7 @@ def test_compose_health_checks_use_real_checks(tmp_path):
     services = _compose()["services"]
     for name, svc in services.items():
         test = svc["healthcheck"]["test"]
-        assert test[:4] == ["CMD", "python", "-m", "gasloc.peer.health"]
+        assert test[:4] == ["CMD", "python", "-m", "gasloc.peer.healthcheck"]
         args = test[4:]
         # the same arguments against a missing port and files: unhealthy, never vacuously true
         args = [str(tmp_path / Path(a).name) if a.startswith("/") else a for a in args]
@@ -211,10 +211,12 @@ def test_image_package_step_in_a_fresh_venv(tmp_path):
                        text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     site = next((py.parent.parent / "lib").glob("python3*/site-packages"))
-    assert (site / "gasloc" / "peer" / "corpus" / "python-reference.txt.gz").is_file()
-    assert (site / "gasloc" / "main.py").is_file() and (py.parent / "gasloc").is_file()
+    assert (site / "gasloc" / "peer" / "train" / "corpus" / "python-reference.txt.gz").is_file()
+    assert (site / "gasloc" / "cli" / "main.py").is_file() and (py.parent / "gasloc").is_file()
+    # the repository root is the package, but only the listed packages are installed
+    assert not {"tests", "bench", "docs", "docker"} & {p.name for p in (site / "gasloc").iterdir()}
     # the health check needs nothing but the standard library, so it runs in this dependency-free venv
-    r = subprocess.run([str(py), "-m", "gasloc.peer.health", "--file", str(ctx / "pyproject.toml")], cwd=tmp_path,
+    r = subprocess.run([str(py), "-m", "gasloc.peer.healthcheck", "--file", str(ctx / "pyproject.toml")], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "healthy", r.stdout + r.stderr
     r = subprocess.run(["bash", str(script), "nonsense"], capture_output=True, text=True, timeout=30)

@@ -12,12 +12,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
-from gasloc.main import cli  # noqa: E402
-from gasloc.peer import model as model_mod  # noqa: E402
+from gasloc.cli.main import cli  # noqa: E402
 from gasloc.peer.checkpoint import CheckpointConfig, save_checkpoint  # noqa: E402
-from gasloc.peer.inner import InnerConfig, make_inner_optimizer  # noqa: E402
-from gasloc.peer.model import ModelConfig, Preset, build_model  # noqa: E402
-from gasloc.peer.outer import OuterConfig, make_outer  # noqa: E402
+from gasloc.peer.train import model as model_mod  # noqa: E402
+from gasloc.peer.train.inner import InnerConfig, make_inner_optimizer  # noqa: E402
+from gasloc.peer.train.model import ModelConfig, Preset, build_model  # noqa: E402
+from gasloc.peer.train.outer import OuterConfig, make_outer  # noqa: E402
 
 transformers = pytest.importorskip("transformers")  # part of the dev/hf extras; installed in CI
 

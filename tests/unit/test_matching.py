@@ -4,8 +4,7 @@ from collections import Counter
 
 import pytest
 
-from gasloc.protocol.matching import (bandwidth_weights, choose_partner, graph_edges, random_matching,
-                                      round_partners)
+from gasloc.protocol.matching import bandwidth_weights, choose_partner, graph_edges, random_matching, round_partners
 
 
 def assert_symmetric(partners):

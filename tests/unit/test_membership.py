@@ -9,7 +9,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from gasloc.peer.membership import PeerRecord, compatible, make_validators, parse_listing, peers_key
+from gasloc.peer.swarm.membership import PeerRecord, compatible, make_validators, parse_listing, peers_key
 
 RUN = "testrun"
 ser = DHTProtocol.serializer
@@ -105,7 +105,7 @@ def test_compatible_peers_share_fingerprint_and_protocol_and_exclude_self():
 
 
 def test_a_failed_listing_keeps_the_last_one_minus_what_must_have_expired(two_peers):
-    from gasloc.peer.membership import Membership
+    from gasloc.peer.swarm.membership import Membership
     (sig_a, _), _ = two_peers
     m = Membership(None, sig_a, run_id=RUN, peer_id="me", fingerprint="abc", protocol=1, ttl_s=6.0)
     now = time.time()

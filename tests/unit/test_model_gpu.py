@@ -1,4 +1,4 @@
-"""GPU helpers of peer/model.py, checked on CPU: bf16 autocast only on CUDA, torch.compile only when asked and on
+"""GPU helpers of peer/train/model.py, checked on CPU: bf16 autocast only on CUDA, torch.compile only when asked and on
 CUDA, and compiling keeps parameter names (checkpoints and export rely on them)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from gasloc.peer.model import ModelConfig, autocast_for, build_model, maybe_compile
+from gasloc.peer.train.model import ModelConfig, autocast_for, build_model, maybe_compile
 
 
 def test_autocast_is_bf16_on_cuda_and_off_on_cpu():

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from gasloc.peer.outer import OuterConfig, make_outer
+from gasloc.peer.train.outer import OuterConfig, make_outer
 from gasloc.protocol.averaging import exact_mean, mix
 
 SHAPES = [(5, 3), (7,), (2, 2, 2)]

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gasloc.config import ConfigError, resolve
 from gasloc.peer.cli import peer as peer_cli
 from gasloc.peer.config import PeerConfig
+from gasloc.runtime.config import ConfigError, resolve
 
 MADDR = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWSWbk2RE5CtFJzV2L6FA7Q67TykZZ1JZesKci3etsViNJ"
 
@@ -96,9 +96,10 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
 
 
 def test_one_peer_per_run_directory(tmp_path):
-    from gasloc.peer.daemon import PeerStartupError, lock_run_dir, worker_seed
+    from gasloc.peer.daemon import lock_run_dir, worker_seed
+    from gasloc.runtime.lifecycle import StartupError
     first = lock_run_dir(tmp_path / "peer")
-    with pytest.raises(PeerStartupError, match="in use by another peer"):
+    with pytest.raises(StartupError, match="in use by another peer"):
         lock_run_dir(tmp_path / "peer")
     first.close()  # released (as by the kernel when a killed peer's process ends)
     lock_run_dir(tmp_path / "peer").close()

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from gasloc.peer.partners import Backoff, candidate_weights, pick_partner
+from gasloc.protocol.partners import Backoff, candidate_weights, pick_partner
 
 
 def test_failures_back_off_exponentially_up_to_the_cap():
@@ -70,7 +70,7 @@ def test_unmeasured_bandwidth_gets_the_median_of_the_known_ones():
 
 
 def test_recent_partners_are_passed_over_only_early_and_only_when_someone_else_exists():
-    from gasloc.peer.partners import peers_to_avoid
+    from gasloc.protocol.partners import peers_to_avoid
     live = {"a", "b", "c"}
     assert peers_to_avoid(["a"], live, elapsed_s=0.1, deadline_s=2.0) == {"a"}
     assert peers_to_avoid(["a"], live, elapsed_s=1.0, deadline_s=2.0) == set()   # second half: anyone
@@ -83,7 +83,7 @@ def test_recent_partners_are_passed_over_only_early_and_only_when_someone_else_e
 
 
 def test_slower_peers_are_passed_over_by_the_faster_side_only_early_and_only_once_met():
-    from gasloc.peer.partners import slower_peers
+    from gasloc.protocol.partners import slower_peers
     links = {"fast": 3e6, "slow": 0.25e6, "new": 0.0, "2x": 1.5e6}
     assert slower_peers(3e6, links, elapsed_s=1.0, window_s=10.0, ratio=3.0) == {"slow"}
     assert slower_peers(3e6, links, elapsed_s=5.0, window_s=10.0, ratio=3.0) == set()    # second half: anyone
@@ -94,7 +94,7 @@ def test_slower_peers_are_passed_over_by_the_faster_side_only_early_and_only_onc
 
 
 def test_unmeasured_peers_are_tried_first_until_a_slower_class_is_in_sight():
-    from gasloc.peer.partners import peers_to_explore
+    from gasloc.protocol.partners import peers_to_explore
     alike = {"met": 0.25e6, "new": 0.0, "other": 0.0}    # a fast peer that has met only a slow one so far
     assert peers_to_explore(0.25e6, alike, elapsed_s=1.0, window_s=10.0, ratio=3.0) == {"new", "other"}
     assert peers_to_explore(0.25e6, alike, elapsed_s=5.0, window_s=10.0, ratio=3.0) == set()   # second half: anyone

@@ -4,7 +4,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from gasloc.main import cli
+from gasloc.cli.main import cli
 
 TOY = ["--workers", "2", "--rounds", "2", "--inner-steps", "2", "--seq-len", "32", "--batch-size", "2",
        "--val-batches", "1", "--eval-every", "1"]

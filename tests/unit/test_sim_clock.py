@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from gasloc.config import ConfigError
-from gasloc.peer.inner import InnerConfig, steps_this_round
+from gasloc.peer.train.inner import InnerConfig, steps_this_round
 from gasloc.protocol.matching import graph_edges
+from gasloc.runtime.config import ConfigError
 from gasloc.sim.clock import Link, allreduce_seconds, build_links, pair_seconds
 from gasloc.sim.engine import AsyncEngine
 from gasloc.sim.lockstep import LockstepEngine

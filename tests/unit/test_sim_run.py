@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from gasloc.config import resolve
+from gasloc.runtime.config import resolve
 from gasloc.sim.config import SimConfig
 from gasloc.sim.runner import SimTrainer, run
 

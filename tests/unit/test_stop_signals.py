@@ -1,6 +1,6 @@
 """A stop signal repeated at once is the same request (a dying multi-threaded parent sends its death signal once
 per thread); one repeated later forces the exit."""
-from gasloc.procs import StopSignals
+from gasloc.runtime.procs import StopSignals
 
 
 def test_first_repeat_and_force():

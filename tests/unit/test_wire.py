@@ -5,11 +5,30 @@ import struct
 import pytest
 
 from gasloc.protocol.codes import Code
-from gasloc.protocol.messages import (PROTOCOL_VERSION, ExchangeReply, ExchangeRequest, StateReply, StateRequest,
-                                      TensorSpec, fingerprint, payload_bytes, specs_of)
-from gasloc.protocol.wire import (LENGTH_PREFIX_BYTES, MAX_HEADER_BYTES, WireError, check_reply, check_request,
-                                  check_state_reply, decode_header, encode_header, lane_count, lane_segments,
-                                  parse_length)
+from gasloc.protocol.messages import (
+    PROTOCOL_VERSION,
+    ExchangeReply,
+    ExchangeRequest,
+    StateReply,
+    StateRequest,
+    TensorSpec,
+    fingerprint,
+    payload_bytes,
+    specs_of,
+)
+from gasloc.protocol.wire import (
+    LENGTH_PREFIX_BYTES,
+    MAX_HEADER_BYTES,
+    WireError,
+    check_reply,
+    check_request,
+    check_state_reply,
+    decode_header,
+    encode_header,
+    lane_count,
+    lane_segments,
+    parse_length,
+)
 
 SPECS = specs_of([((4, 3), "float32"), ((7,), "float32"), ((), "float32")])
 FP = fingerprint(preset="tiny", seq_len=128, algorithm="gasloc", form="C")

@@ -3,7 +3,7 @@
     gasloc tokenize --input 'corpus/*.jsonl' --tokenizer ./tokenizer.json --out data/tok
     gasloc peer ... with [data] source = "tokens", paths = ["data/tok/*.bin"], tokenizer = "./tokenizer.json"
 
-The shard format is described in gasloc/peer/sources.py. Tokenizing once up front keeps the peers' CPUs free and
+The shard format is described in peer/train/sources.py. Tokenizing once up front keeps the peers' CPUs free and
 lets them memory-map corpora far larger than RAM.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gasloc.config import resolve_for_cli
+from gasloc.runtime.config import resolve_for_cli
 
 
 class TokenizeConfig(BaseModel):
@@ -33,7 +33,7 @@ class TokenizeConfig(BaseModel):
     shard_tokens: int = Field(100_000_000, ge=1, description="tokens per shard file")
 
     @model_validator(mode="after")
-    def _has_input(self) -> "TokenizeConfig":
+    def _has_input(self) -> TokenizeConfig:
         if self.out_dir is None:
             raise ValueError("out_dir is required (--out DIR)")
         if not self.paths and not self.hf_dataset:
@@ -43,11 +43,11 @@ class TokenizeConfig(BaseModel):
 
 def iter_docs(cfg: TokenizeConfig):
     if cfg.hf_dataset:
-        from gasloc.peer.stream import _text_of, open_hf_stream
+        from gasloc.peer.train.hfdata import _text_of, open_hf_stream
         for i, example in enumerate(open_hf_stream(cfg, cfg.hf_split)):
             yield _text_of(example, cfg.text_field, i)
         return
-    from gasloc.peer.sources import TEXT_SUFFIXES, expand_paths, iter_file_docs
+    from gasloc.peer.train.sources import TEXT_SUFFIXES, expand_paths, iter_file_docs
     for path in expand_paths(cfg.paths, TEXT_SUFFIXES, "text (.txt/.jsonl)"):
         yield from iter_file_docs(path, cfg.text_field)
 
@@ -56,9 +56,9 @@ def run(cfg: TokenizeConfig) -> tuple[list[Path], int, int]:
     """Tokenize; returns (shard paths, documents, tokens). Raises ValueError with one line on bad input."""
     from itertools import islice
 
-    from gasloc.peer.data import tokenize_docs
-    from gasloc.peer.sources import ShardWriter
-    from gasloc.peer.tokenizer import load_tokenizer
+    from gasloc.peer.train.data import tokenize_docs
+    from gasloc.peer.train.sources import ShardWriter
+    from gasloc.peer.train.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.tokenizer)
     writer = ShardWriter(cfg.out_dir, tok.vocab_size, cfg.tokenizer, cfg.shard_tokens)

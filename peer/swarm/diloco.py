@@ -25,8 +25,8 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 
-from gasloc.peer.round_report import RoundExchange
-from gasloc.peer.safeproc import DiesWithParent
+from gasloc.peer.swarm.round_report import RoundExchange
+from gasloc.runtime.safeproc import DiesWithParent
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ POLL_S = 0.05
 
 
 class SafeAverager(DiesWithParent, DecentralizedAverager):
-    """A DecentralizedAverager whose process dies with the peer (peer/safeproc.py) and whose target group size can
+    """A DecentralizedAverager whose process dies with the peer (runtime/safeproc.py) and whose target group size can
     follow the swarm's size."""
 
     async def _shutdown(self, timeout: float | None) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gasloc.peer.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
+from gasloc.peer.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
 
 __all__ = ["DataConfig", "ByteTokenizer", "HFTokenizer", "TokenData", "build_data", "evaluate", "embedded_tokens"]
 
@@ -61,7 +61,7 @@ class DataConfig(BaseModel):
                             "document i belongs to shard i mod num_shards)")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "DataConfig":
+    def _consistent(self) -> DataConfig:
         if self.shard_index is not None and self.shard_index >= self.num_shards:
             raise ValueError(f"shard_index {self.shard_index} must be below num_shards {self.num_shards}")
         if self.source in ("files", "tokens") and not self.paths:
@@ -78,7 +78,7 @@ class DataConfig(BaseModel):
 @lru_cache(maxsize=1)
 def embedded_tokens() -> np.ndarray:
     """The embedded corpus as byte tokens (~466k tokens of the Python Language Reference; see corpus/NOTICE)."""
-    raw = resources.files("gasloc.peer").joinpath("corpus", EMBEDDED_CORPUS).read_bytes()
+    raw = resources.files("gasloc.peer.train").joinpath("corpus", EMBEDDED_CORPUS).read_bytes()
     return np.frombuffer(gzip.decompress(raw), dtype=np.uint8)
 
 
@@ -182,7 +182,7 @@ def tokenize_docs(docs, tok, chunk: int = ENCODE_CHUNK_DOCS):
 
 def tokens_from_files(cfg: DataConfig, tok) -> np.ndarray:
     """Every document of the files named by cfg.paths, tokenized and concatenated in path order."""
-    from gasloc.peer.sources import TEXT_SUFFIXES, expand_paths, iter_file_docs
+    from gasloc.peer.train.sources import TEXT_SUFFIXES, expand_paths, iter_file_docs
 
     parts, empty = [], []
     files = expand_paths(cfg.paths, TEXT_SUFFIXES, "text (.txt/.jsonl)")
@@ -200,7 +200,7 @@ def tokens_from_files(cfg: DataConfig, tok) -> np.ndarray:
 
 def tokens_from_shards(cfg: DataConfig, tok):
     """A TokenSeq over the memory-mapped shards named by cfg.paths, checked against the tokenizer."""
-    from gasloc.peer.sources import TOKEN_SUFFIXES, TokenSeq, expand_paths, open_token_shard
+    from gasloc.peer.train.sources import TOKEN_SUFFIXES, TokenSeq, expand_paths, open_token_shard
 
     arrays = []
     for path in expand_paths(cfg.paths, TOKEN_SUFFIXES, "token shard (.bin/.npy)"):
@@ -229,7 +229,7 @@ def build_data(cfg: DataConfig, seq_len: int, worker_seed: int | str = 0):
     """
     tok = load_tokenizer(cfg.tokenizer)
     if cfg.source == "hf":
-        from gasloc.peer.stream import StreamData, open_hf_stream
+        from gasloc.peer.train.hfdata import StreamData, open_hf_stream
         return StreamData(partial(open_hf_stream, cfg), tok, cfg, seq_len), tok
     if cfg.source == "embedded":
         tokens = embedded_tokens() if isinstance(tok, ByteTokenizer) else _embedded_for(cfg.tokenizer)

@@ -146,7 +146,7 @@ class ShardWriter:
     """
 
     def __init__(self, out_dir: Path, vocab_size: int, tokenizer: str, shard_tokens: int, prefix: str = "tokens"):
-        from gasloc.peer.tokenizer import token_dtype
+        from gasloc.peer.train.tokenizer import token_dtype
 
         self.out_dir, self.vocab_size, self.tokenizer = Path(out_dir), vocab_size, tokenizer
         self.shard_tokens, self.prefix = shard_tokens, prefix

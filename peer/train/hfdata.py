@@ -32,7 +32,7 @@ def open_hf_stream(cfg, split: str):
         raise ValueError("data.source='hf' needs the datasets package: pip install 'gasloc[hf]'") from None
     kwargs: dict = {"split": split, "streaming": True}
     if cfg.paths:
-        from gasloc.peer.sources import expand_paths
+        from gasloc.peer.train.sources import expand_paths
         kwargs["data_files"] = [str(p) for p in expand_paths(cfg.paths, ("",), "data")]
     try:
         return datasets.load_dataset(cfg.hf_dataset, cfg.hf_config, **kwargs)

@@ -41,15 +41,21 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gasloc.peer.channel import STREAM_ERRORS, Channel, read_header
-from gasloc.peer.lanes import LaneRegistry, move, open_lanes
-from gasloc.peer.tensor_io import finish_received, in_thread, to_wire, torch_dtype
+from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
+from gasloc.peer.transport.lanes import LaneRegistry, move, open_lanes
+from gasloc.peer.transport.tensor_io import finish_received, in_thread, to_wire, torch_dtype
 from gasloc.protocol.codes import Code
-from gasloc.protocol.messages import (MAX_STREAMS, PROTOCOL_VERSION, ExchangeReply, ExchangeRequest, TensorSpec,
-                                      payload_bytes)
+from gasloc.protocol.messages import (
+    MAX_STREAMS,
+    PROTOCOL_VERSION,
+    ExchangeReply,
+    ExchangeRequest,
+    TensorSpec,
+    payload_bytes,
+)
 from gasloc.protocol.wire import WireError, check_reply, check_request, encode_header, lane_count
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 SpecLike = TensorSpec | tuple[Sequence[int], Any]
 
@@ -78,7 +84,7 @@ class ExchangeConfig(BaseModel):
     fast_link_streams: int = Field(4, ge=1, le=MAX_STREAMS, description="streams per exchange with such a partner")
 
     @model_validator(mode="after")
-    def _accept_within_exchange(self) -> "ExchangeConfig":
+    def _accept_within_exchange(self) -> ExchangeConfig:
         if self.accept_timeout_s > self.exchange_timeout_s:
             raise ValueError(f"accept_timeout_s ({self.accept_timeout_s}) must not exceed exchange_timeout_s "
                              f"({self.exchange_timeout_s})")
@@ -189,7 +195,7 @@ class Exchanger:
                 try:
                     await asyncio.wait_for(self.p2p.remove_binary_stream_handler(name), 5.0)
                 except (TimeoutError, *STREAM_ERRORS, KeyError) as e:
-                    logger.debug(f"remove_handler name={name} error={type(e).__name__}: {e}")
+                    log.debug("remove_handler name=%s error=%s: %s", name, type(e).__name__, e)
 
     # ---- round API ----
 
@@ -207,8 +213,8 @@ class Exchanger:
         while not self._incoming.empty():
             dropped = self._incoming.get_nowait()
             if dropped.ok:
-                logger.warning(f"offer round={round}: dropped an uncollected successful incoming exchange with "
-                               f"partner={dropped.partner} (call withdraw() at the end of each round)")
+                log.warning("offer round=%s: dropped an uncollected successful incoming exchange with partner=%s "
+                            "(call withdraw() at the end of each round)", round, dropped.partner)
         self._offer = _Offer([t.detach().contiguous() for t in tensors], round)
 
     async def withdraw(self) -> list[ExchangeResult]:
@@ -271,7 +277,7 @@ class Exchanger:
             r = ExchangeResult(outcome, partner, code, tensors, sum(c.bytes_written for c in channels),
                                sum(c.bytes_read for c in channels), time.monotonic() - t0, detail, "initiator",
                                offer.round, partner_round, len(channels))
-            logger.log(logging.INFO if r.ok else logging.DEBUG, f"exchange {r.log_line()}")
+            log.log(logging.INFO if r.ok else logging.DEBUG, "exchange %s", r.log_line())
             return r
 
         if offer.used or self._engagement is not None:
@@ -335,13 +341,13 @@ class Exchanger:
         except asyncio.CancelledError:
             # withdraw()/stop() cancelled us. This task belongs to asyncio's unix server, whose done-callback
             # logs a cancelled handler as an error; the cancellation ends here, at the top of the task.
-            logger.debug(f"exchange role=responder partner={stream_info.peer_id} cancelled")
+            log.debug("exchange role=responder partner=%s cancelled", stream_info.peer_id)
         finally:
             self._handlers.discard(task)
             ch.close()
 
     async def _reply(self, ch: Channel, partner: str, code: Code, message: str) -> None:
-        logger.debug(f"exchange role=responder partner={partner} answer={code.name} detail={message!r}")
+        log.debug("exchange role=responder partner=%s answer=%s detail=%r", partner, code.name, message)
         reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(code), message=message[:500],
                               fingerprint=self.fingerprint)
         try:
@@ -349,7 +355,7 @@ class Exchanger:
                 await ch.write(encode_header(reply))
             await ch.discard_until_eof(timeout=min(1.0, self.cfg.accept_timeout_s))
         except (TimeoutError, *STREAM_ERRORS) as e:
-            logger.debug(f"exchange role=responder partner={partner} reply_failed={type(e).__name__}")
+            log.debug("exchange role=responder partner=%s reply_failed=%s", partner, type(e).__name__)
 
     async def _respond(self, ch: Channel, peer_id: PeerID) -> None:
         partner = str(peer_id)
@@ -360,7 +366,7 @@ class Exchanger:
         except WireError as e:
             return await self._reply(ch, partner, e.code, str(e))
         except (TimeoutError, *STREAM_ERRORS) as e:
-            logger.debug(f"exchange role=responder partner={partner} no_request={type(e).__name__}: {e}")
+            log.debug("exchange role=responder partner=%s no_request=%s: %s", partner, type(e).__name__, e)
             return
         if not self.is_member(peer_id):
             return await self._reply(ch, partner, Code.NOT_MEMBER, "you are not a live member of this run")
@@ -384,7 +390,8 @@ class Exchanger:
         try:
             async with asyncio.timeout(self.cfg.exchange_timeout_s):
                 reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(Code.OK),
-                                      fingerprint=self.fingerprint, round=offer.round, wire_dtype=self.cfg.wire_dtype, specs=tuple(self.specs),
+                                      fingerprint=self.fingerprint, round=offer.round, wire_dtype=self.cfg.wire_dtype,
+                                      specs=tuple(self.specs),
                                       total_bytes=payload_bytes(self.specs, self.cfg.wire_dtype), token=token)
                 await ch.write(encode_header(reply))
                 if lane_waiters:
@@ -405,7 +412,7 @@ class Exchanger:
         if r.ok:
             offer.used = True
             self._remember_rate(partner, r)
-        logger.log(logging.INFO if r.ok else logging.DEBUG, f"exchange {r.log_line()}")
+        log.log(logging.INFO if r.ok else logging.DEBUG, "exchange %s", r.log_line())
         self._incoming.put_nowait(r)     # collected by wait_incoming() or withdraw()
 
     # ---- both roles ----

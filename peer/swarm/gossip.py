@@ -2,13 +2,8 @@
 
 One round, as this peer sees it:
   1. offer our outgoing tensors to the Exchanger and announce state "exchanging" (others now may call us);
-  2. until swarm.partner_deadline_s passes: take an incoming exchange if one finished; else pick a random partner
-     among the live peers in state "exchanging" (uniform, or weighted by measured bandwidth), skipping those in
-     backoff (and, in the first half of the search, our most recent partner and, with swarm.slower_link_ratio,
-     peers on much slower links, whom we also answer BUSY then, except in a random share of searches; until we
-     have told link classes apart, that rule tries peers we never exchanged with first), and call it.
-     BUSY -> a short cooldown for that partner and a random pause (two peers that called each other at the same
-     moment both got BUSY); timeout/failed/rejected -> exponential backoff;
+  2. carry out what the partner-search policy (protocol/search.py, pure and unit-tested on a virtual clock)
+     says next - call a peer, wait for a caller, or finish - until an exchange succeeds in either direction;
   3. withdraw the offer. An incoming exchange that completed meanwhile is still used: the partner mixed with us,
      so we mix with it too (that keeps the pair's mean).
 No partner by the deadline, or no other live peer at all, is a solo round. An exchange already running when the
@@ -20,11 +15,10 @@ time during our next round can still pair with us, and we never give up sooner t
 ending at the inner steps alone left fast peers of the hetero bench solo in most rounds, and with outer momentum
 0.9 they diverged).
 
-The listing of who is ready comes from the background lister (peer/network.py): the search never waits on the DHT.
+The listing of who is ready comes from the background lister (peer/swarm/network.py): the search never waits on the DHT.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import random
@@ -36,9 +30,10 @@ from dataclasses import dataclass
 import torch
 from hivemind.p2p import PeerID
 
-from gasloc.peer.exchange import ExchangeResult, Exchanger, Outcome
-from gasloc.peer.partners import Backoff, peers_to_avoid, peers_to_explore, pick_partner, slower_peers
-from gasloc.peer.round_report import RoundExchange
+from gasloc.peer.swarm.round_report import RoundExchange
+from gasloc.peer.transport.exchange import Exchanger, ExchangeResult, Outcome
+from gasloc.protocol.partners import Backoff
+from gasloc.protocol.search import Call, Finish, PartnerPolicy, SearchRules, Sight, Wait
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +57,14 @@ class GossipAveraging:
                  own_link: Callable[[], float] = lambda: 0.0):
         self.cfg, self.net, self.stopping, self.set_state = cfg, net, stopping, set_state
         self.own_link = own_link     # our link's estimated bytes/s (0: not measured yet)
-        self._search: tuple[float, float] | None = None   # (start, window) of a search passing over slower links
-        self._passed: set[str] = set()                     # ready peers that search passed over (slower links)
         sw = cfg.swarm
-        self.backoff = Backoff(sw.min_backoff_s, sw.max_backoff_s, sw.busy_cooldown_s)
-        self.rng = random.Random()  # partner choice must differ between peers: seeded from the OS
-        self.recent: collections.deque[str] = collections.deque(maxlen=sw.avoid_recent_partners)
+        rules = SearchRules(partner_deadline_s=sw.partner_deadline_s, retry_interval_s=sw.retry_interval_s,
+                            exchange_timeout_s=cfg.exchange.exchange_timeout_s,
+                            bandwidth_weighting=sw.bandwidth_weighting, slower_link_ratio=sw.slower_link_ratio,
+                            slower_link_open_share=sw.slower_link_open_share)
+        # partner choice must differ between peers: the RNG is seeded from the OS
+        self.policy = PartnerPolicy(rules, Backoff(sw.min_backoff_s, sw.max_backoff_s, sw.busy_cooldown_s),
+                                    avoid_recent=sw.avoid_recent_partners, rng=random.Random())
         self.exchanger: Exchanger | None = None
 
     def start(self, specs: list[tuple[tuple[int, ...], torch.dtype]], fingerprint: str) -> None:
@@ -92,22 +89,10 @@ class GossipAveraging:
         pending.cut.set()
         return self._result(pending.future, pending.round)
 
-    def _link_view(self, peers, now: float) -> tuple[set[str], set[str]]:
-        """For a search that passes over slower links, right now: (the peers among `peers` to pass over for being on
-        much slower links, the ones to try first because we never exchanged with them and cannot yet tell link
-        classes apart). Judged by the rate of our own last exchange with each; both empty in an open search."""
-        if self._search is None:
-            return set(), set()
-        start, window = self._search
-        rates = {p: self.exchanger.rate(p) for p in peers}
-        args = (self.own_link(), rates, now - start, window)
-        ratio = self.cfg.swarm.slower_link_ratio
-        return slower_peers(*args, ratio=ratio), peers_to_explore(*args, ratio=ratio)
-
     def _declines(self, peer_id: PeerID) -> str | None:
         """The exchanger asks before accepting a caller: why to answer it busy, or None to accept."""
-        if self._link_view([str(peer_id)], time.monotonic())[0]:
-            self._passed.add(str(peer_id))
+        peer = str(peer_id)
+        if self.policy.declines(peer, self.exchanger.rate(peer), self.own_link(), time.monotonic()):
             return "waiting for a partner on a link like ours"
         return None
 
@@ -119,75 +104,57 @@ class GossipAveraging:
             log.error("round=%d partner search overran its %.0f s limit; solo round", round, limit)
             return RoundExchange(outcome="failed", detail="partner search overran its limit")
 
+    def _sight(self, cut: threading.Event | None) -> Sight:
+        live = self.net.live
+        ex = self.exchanger
+        return Sight(live=live.keys(), ready={p: r.bandwidth_bps for p, r in self.net.ready_peers().items()},
+                     rates={p: ex.rate(p) for p in live}, own_link=self.own_link(),
+                     cut=cut is None or cut.is_set(), stopping=self.stopping.is_set(),
+                     engaged_as_responder=(ex.engaged or "").startswith("responder"))
+
     async def _average(self, sent: list[torch.Tensor], round: int, cut: threading.Event | None = None,
                        window_s: float | None = None) -> RoundExchange:
-        ex, sw = self.exchanger, self.cfg.swarm
+        """Carry out the partner search's actions until an exchange succeeds or the search finishes."""
+        ex = self.exchanger
         t0 = time.monotonic()
-        # overlap: search until the cut (the end of our next inner phase), and at least partner_deadline_s;
-        # avoid recent partners for the first half of that
-        deadline = t0 + sw.partner_deadline_s
-        window_s = sw.partner_deadline_s if cut is None else max(window_s, sw.partner_deadline_s)
         report = RoundExchange()
-        # a share of searches is open to every link (see SwarmConfig.slower_link_open_share)
-        picky = sw.slower_link_ratio > 0 and self.rng.random() >= sw.slower_link_open_share
-        self._search, self._passed = ((t0, window_s) if picky else None), set()
+        search = self.policy.begin(t0, None if cut is None else window_s)
         ex.offer(sent, round)
         self.set_state("exchanging")  # offer first: whoever sees the announcement may call us at once
         try:
-            while True:
-                if self._take(await ex.wait_incoming(0), report):
-                    break
-                now = time.monotonic()
-                if (now >= deadline and (cut is None or cut.is_set())) or self.stopping.is_set():
-                    if (ex.engaged or "").startswith("responder"):
+            while not self._take(await ex.wait_incoming(0), report):
+                self.net.request_listing(max_age_s=LISTING_MAX_AGE_S)  # the search never waits on the DHT
+                action = search.next(self._sight(cut), time.monotonic())
+                if isinstance(action, Finish):
+                    if action.let_finish_s:
                         # a partner is mid-exchange with us: let it finish (bounded by its own deadline) rather
                         # than cut it off - the bytes are already moving and both sides would lose the round
-                        self._take(await ex.wait_incoming(self.cfg.exchange.exchange_timeout_s + 1), report)
+                        self._take(await ex.wait_incoming(action.let_finish_s), report)
                     break
-                if not self.net.live:
-                    break  # alone in the run: nobody can become ready, so waiting would only slow us down
-                self.net.request_listing(max_age_s=LISTING_MAX_AGE_S)
-                ready = self.net.ready_peers()
-                self.backoff.forget_absent(self.net.live)
-                others = [p for p in self.net.live if not self.backoff.blocked(p, now)]
-                slower, explore = self._link_view(others, now)
-                self._passed |= slower & ready.keys()
-                # a recent partner is passed over only while someone else we would take may become ready
-                avoid = peers_to_avoid(self.recent, set(others) - slower, now - t0, window_s) | slower
-                if explore:  # only unmeasured peers until one of them is ready or the first half is over
-                    avoid |= set(others) - explore
-                partner = pick_partner({p: r.bandwidth_bps for p, r in ready.items()}, self.backoff, now, self.rng,
-                                       weighted=sw.bandwidth_weighting, avoid=avoid)
-                if partner is None:
-                    left = deadline - time.monotonic()
-                    # overlap past the deadline: search on, at the retry pace, until our inner steps end
-                    pause = sw.retry_interval_s if cut is not None and left <= 0 else min(sw.retry_interval_s,
-                                                                                           max(left, 0.0))
-                    if self._take(await ex.wait_incoming(pause), report):
+                if isinstance(action, Wait):
+                    if self._take(await ex.wait_incoming(action.seconds), report):
                         break
                     continue
-                res = await ex.exchange(PeerID.from_base58(partner))
+                assert isinstance(action, Call)
+                res = await ex.exchange(PeerID.from_base58(action.peer))
                 if self._take(res, report):
                     break
-                if res.outcome is Outcome.busy:
-                    if not res.detail.startswith("local"):
-                        self.backoff.busy(partner, time.monotonic())
-                    pause = self.rng.uniform(0, sw.retry_interval_s)
-                    if self._take(await ex.wait_incoming(pause), report):
-                        break
-                else:
-                    delay = self.backoff.failed(partner, time.monotonic(), self.rng)
-                    log.info("round=%d partner=%s outcome=%s backoff_s=%.1f detail=%s", round, partner,
-                             res.outcome.value, delay, res.detail)
+                pause = search.called(action.peer, res.outcome.value, time.monotonic(),
+                                      local=res.detail.startswith("local"))
+                if res.outcome is not Outcome.busy:
+                    log.info("round=%d partner=%s outcome=%s backoff_s=%.1f detail=%s", round, action.peer,
+                             res.outcome.value, search.backoff_of(action.peer, time.monotonic()), res.detail)
+                if pause and self._take(await ex.wait_incoming(pause), report):
+                    break
         finally:
-            self._search = None
+            self.policy.end()
             for res in await ex.withdraw():
                 if res.ok and not report.ok:
                     self._take(res, report)
             if cut is not None:
                 self.set_state("training")  # the search is over; our inner steps are running
         report.wait_s = time.monotonic() - t0 - report.transfer_s
-        report.passed_over = len(self._passed)
+        report.passed_over = len(search.passed)
         return report
 
     def _take(self, res: ExchangeResult | None, report: RoundExchange) -> bool:
@@ -202,9 +169,7 @@ class GossipAveraging:
         if not res.ok:
             return False
         report.received, report.kind, report.group_size = res.tensors, "pair", 2
-        self.backoff.succeeded(res.partner)
-        if self.recent.maxlen:
-            self.recent.append(res.partner)
+        self.policy.succeeded(res.partner)
         return True
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 hivemind's DHT and DecentralizedAverager are forked `mp.Process(daemon=True)` children. `daemon=True` only helps
 on a clean interpreter exit: after SIGKILL or SIGTERM of the peer, the DHT child, its p2pd and torch_shm_manager
-stay alive under init and keep serving (measured: shared/docs/hivemind-notes.md section 5). PR_SET_PDEATHSIG makes
+stay alive under init and keep serving (docs/hivemind.md §5). PR_SET_PDEATHSIG makes
 the kernel send SIGKILL to the child when its parent goes; p2pd then exits on its own because its control
 connection closes.
 
@@ -24,7 +24,7 @@ import threading
 
 import hivemind
 
-from gasloc.procs import set_pdeathsig
+from gasloc.runtime.procs import set_pdeathsig
 
 
 def detach_and_die_with_parent(parent_pid: int) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from gasloc.peer.model import LlamaLM
+from gasloc.peer.train.model import LlamaLM
 
 
 class InnerConfig(BaseModel):

@@ -59,7 +59,7 @@ class Channel(asyncio.BufferedProtocol):
         self.bytes_written = 0
 
     @classmethod
-    def take_over(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> "Channel":
+    def take_over(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Channel:
         """Become the protocol of `writer`'s transport; bytes `reader` already buffered are kept, in order.
 
         `reader._buffer` is private, but it is the only place those bytes exist (hivemind's handler dispatch reads
@@ -113,7 +113,7 @@ class Channel(asyncio.BufferedProtocol):
         self._eof = True
         self._wake_eof()
         if self._target is not None:
-            self._wake_reader(asyncio.IncompleteReadError(bytes(), len(self._target) - self._target_off))
+            self._wake_reader(asyncio.IncompleteReadError(b"", len(self._target) - self._target_off))
         return True   # keep the transport open: we may still have a verdict byte to write
 
     def connection_lost(self, exc: BaseException | None) -> None:

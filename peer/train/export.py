@@ -17,7 +17,7 @@ from typing import Literal
 import click
 from pydantic import BaseModel, ConfigDict, Field
 
-from gasloc.config import resolve_for_cli
+from gasloc.runtime.config import resolve_for_cli
 
 DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -57,7 +57,7 @@ def run(cfg: ExportConfig) -> dict:
     from safetensors.torch import save_file
 
     from gasloc.peer.checkpoint import scan
-    from gasloc.peer.tokenizer import load_tokenizer
+    from gasloc.peer.train.tokenizer import load_tokenizer
 
     if cfg.checkpoint_dir is None or cfg.out_dir is None:
         raise ValueError("give --checkpoint-dir DIR and --out DIR")

@@ -1,7 +1,7 @@
 """The peer's network side: one DHT (and so one p2pd) per peer, the p2p replica that the Exchanger and the state
 server use, the membership record and its refresh, and the state download of a joining peer.
 
-Every coroutine here runs on the peer's event loop (peer/aio.py); the methods without `async` are called from the
+Every coroutine here runs on the peer's event loop (runtime/aio.py); the methods without `async` are called from the
 training thread and hand work to that loop with a deadline.
 """
 from __future__ import annotations
@@ -10,24 +10,35 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import PeerID
 
-from gasloc.peer.absence import AbsenceWatch
-from gasloc.peer.aio import LoopThread
-from gasloc.peer.membership import Membership, PeerRecord, make_validators
-from gasloc.peer.safeproc import SafeDHT
+from gasloc.peer.swarm.absence import AbsenceWatch
+from gasloc.peer.swarm.membership import Membership, PeerRecord, make_validators
 from gasloc.protocol.messages import PROTOCOL_VERSION, fingerprint
+from gasloc.runtime.aio import LoopThread
+from gasloc.runtime.lifecycle import StartupError, shutdown_step
+from gasloc.runtime.safeproc import SafeDHT
 
 if TYPE_CHECKING:
     from gasloc.peer.config import PeerConfig
-    from gasloc.peer.daemon import Peer
 
 log = logging.getLogger(__name__)
 
 LIST_PERIOD_S = 1.0   # how often the live-peer cache is refreshed (a DHT get costs ~20 ms on a healthy swarm)
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    """The training side's state as our DHT record announces it."""
+    state: str
+    round: int
+    throughput_tps: float
+    bandwidth_bps: float
 
 
 async def _make_events() -> tuple[asyncio.Event, asyncio.Event]:
@@ -35,8 +46,9 @@ async def _make_events() -> tuple[asyncio.Event, asyncio.Event]:
 
 
 class Network:
-    def __init__(self, cfg: PeerConfig, peer: Peer):
-        self.cfg, self.peer = cfg, peer
+    def __init__(self, cfg: PeerConfig, status: Callable[[], PeerStatus]):
+        self.cfg = cfg
+        self.status = status  # what our record says about us, read at each announcement
         self.dht: SafeDHT | None = None
         self.aio: LoopThread | None = None
         self.p2p = None
@@ -52,8 +64,6 @@ class Network:
 
     # ------------------------------------------------------------------ startup (main thread)
     def start_dht(self) -> None:
-        from gasloc.peer.daemon import PeerStartupError
-
         net = self.cfg.network
         self.signer, validators = make_validators(self.cfg.swarm.run_id)
         dht = SafeDHT(initial_peers=net.initial_peers or None, start=False, record_validators=validators,
@@ -64,7 +74,7 @@ class Network:
             dht.run_in_background(await_ready=True, timeout=net.startup_timeout_s + 5)
         except Exception as e:  # noqa: BLE001 - whatever hivemind raised, the user gets one line and exit 1
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise PeerStartupError(f"could not start the DHT node ({type(e).__name__}: {first}); check "
+            raise StartupError(f"could not start the DHT node ({type(e).__name__}: {first}); check "
                                    f"--initial-peers (are those peers running and reachable?) and "
                                    f"--host-maddrs") from None
         self.peer_id = dht.peer_id.to_base58()
@@ -103,7 +113,7 @@ class Network:
                        self.aio.submit(self._watch())]
 
     def start_state_server(self) -> None:
-        from gasloc.peer.state_transfer import StateServer
+        from gasloc.peer.transport.state_transfer import StateServer
 
         self.state_server = StateServer(self.p2p, self._get_state, self.fingerprint, self.cfg.swarm.run_id,
                                         self.cfg.state_transfer)
@@ -114,9 +124,9 @@ class Network:
     # RPCs time out after seconds) then delays what others learn about us, never our training or partner search.
 
     def _record(self) -> PeerRecord:
-        p = self.peer
-        return self.membership.record(state=p.state, round=p.round, throughput_tps=p.throughput_tps,
-                                      bandwidth_bps=p.bandwidth_bps)
+        s = self.status()
+        return self.membership.record(state=s.state, round=s.round, throughput_tps=s.throughput_tps,
+                                      bandwidth_bps=s.bandwidth_bps)
 
     def announce(self, wait: bool = False) -> None:
         """Announce the peer's current state: in the background (one store at a time, the latest state wins), or
@@ -172,9 +182,9 @@ class Network:
         return str(peer_id) in self.live
 
     # ------------------------------------------------------------------ state transfer
-    def publish_state(self) -> None:
+    def publish_state(self, snapshot) -> None:
         """Called by the training thread at each round boundary: what joiners download until the next one."""
-        self._snapshot = self.peer.snapshot()
+        self._snapshot = snapshot
 
     def _get_state(self):
         return self._snapshot
@@ -182,7 +192,7 @@ class Network:
     def download_state(self, params: list[torch.Tensor], outer):
         """(donor, metadata, params, outer_state) from a live peer, or None when nobody is there (a fresh swarm)
         or no donor delivered a verified state in time (then the peer starts from the seed model, logged)."""
-        from gasloc.peer.state_transfer import StateDownloadError, download_state
+        from gasloc.peer.transport.state_transfer import StateDownloadError, download_state
 
         live = self.live
         # most advanced first; a donor that fails (dies mid-transfer, busy, garbage) is skipped for the next
@@ -227,13 +237,11 @@ class Network:
 
     def close(self) -> None:
         """Stop the loop's services, then the DHT child (which takes its p2pd along). Call withdraw() first."""
-        from gasloc.peer.daemon import _step
-
         if self.aio is not None:
             if self.state_server is not None:
-                _step("state_server.stop", lambda: self.aio.run(self.state_server.stop(), 10))
+                shutdown_step("state_server.stop", lambda: self.aio.run(self.state_server.stop(), 10))
             if self.p2p is not None:
-                _step("p2p.shutdown", lambda: self.aio.run(self.p2p.shutdown(), 10))
+                shutdown_step("p2p.shutdown", lambda: self.aio.run(self.p2p.shutdown(), 10))
             self.aio.stop()
         if self.dht is not None:
-            _step("dht.shutdown", self.dht.shutdown)
+            shutdown_step("dht.shutdown", self.dht.shutdown)

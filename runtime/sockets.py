@@ -1,8 +1,8 @@
 """Find the /tmp/hivemind-*.sock files that given processes own, so a harness can remove exactly its own leftovers.
 
 hivemind's DHT and averager do not remove their p2pd/p2pclient unix socket files on shutdown, and nothing does after
-a kill (notes §5). Other programs on the machine have their own such files, so "remove every stale socket" is
-wrong; this module maps socket files to the processes that bound them (Linux procfs), while they are alive.
+a kill (docs/hivemind.md §5). Other programs on the machine have their own such files, so "remove every stale socket"
+is wrong; this module maps socket files to the processes that bound them (Linux procfs), while they are alive.
 """
 from __future__ import annotations
 
@@ -10,26 +10,14 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from gasloc.runtime.procs import descendants
+
 PREFIX = "/tmp/hivemind-"
 
 
-def descendants(pid: int) -> set[int]:
+def subtree(pid: int) -> set[int]:
     """`pid` and every live process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                ppid = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue      # exited meanwhile
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        if p not in out:
-            out.add(p)
-            todo += children.get(p, [])
-    return out
+    return {pid} | descendants({pid})
 
 
 def owned_sockets(pids: Iterable[int]) -> set[str]:

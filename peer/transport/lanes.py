@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from gasloc.peer.channel import STREAM_ERRORS, Channel, read_header
-from gasloc.peer.tensor_io import byte_view
+from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
+from gasloc.peer.transport.tensor_io import byte_view
 from gasloc.protocol.messages import PROTOCOL_VERSION, LaneHello
 from gasloc.protocol.wire import WireError, encode_header, lane_segments
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,7 +69,7 @@ class LaneRegistry:
             async with asyncio.timeout(self.hello_timeout_s):
                 hello = await read_header(ch, LaneHello)
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
-            logger.debug(f"lane partner={partner} refused=no_hello detail={type(e).__name__}: {e}")
+            log.debug("lane partner=%s refused=no_hello detail=%s: %s", partner, type(e).__name__, e)
             ch.close()
             return
         except asyncio.CancelledError:   # top of a task owned by asyncio's unix server (see Exchanger._handle)
@@ -78,7 +78,7 @@ class LaneRegistry:
         entry = self._expected.get(hello.token)
         if entry is None or entry.partner != partner or hello.lane > len(entry.waiters) \
                 or entry.waiters[hello.lane - 1].done():
-            logger.debug(f"lane partner={partner} refused=unexpected lane={hello.lane}")
+            log.debug("lane partner=%s refused=unexpected lane=%s", partner, hello.lane)
             ch.close()
             return
         entry.waiters[hello.lane - 1].set_result(ch)   # the channel keeps the stream alive; this task may end

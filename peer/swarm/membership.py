@@ -4,7 +4,7 @@ One DHT key per run (`<run_id>_peers`), one subkey per peer: that peer's RSA pub
 write it (RSASignatureValidator). Every value must match `PeerRecord` exactly (SchemaValidator, strict types).
 A record expires `ttl_s` after its last announcement; a peer re-announces every ttl/3 and, when it leaves, stores
 None with a later expiration (the DHT keeps the record with the latest expiration, so a plain re-store with a shorter
-TTL would be ignored; see shared/docs/hivemind-notes.md section 4).
+TTL would be ignored; see docs/hivemind.md §4).
 
 The listing is what a peer believes about the swarm, nothing more: a record proves that its owner held the signing
 key, not that the libp2p peer id inside it is the owner's. The exchange layer therefore authenticates partners by
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Dict, Optional
 
 import pydantic.v1 as pv1
 from hivemind.dht.crypto import RSASignatureValidator
@@ -51,7 +50,7 @@ class PeerRecord(pv1.BaseModel):
 
 
 class SwarmSchema(pv1.BaseModel):
-    peers: Dict[BytesWithPublicKey, Optional[PeerRecord]]
+    peers: dict[BytesWithPublicKey, PeerRecord | None]
 
 
 def peers_key(run_id: str) -> str:
@@ -112,7 +111,7 @@ class Membership:
             return bool(await asyncio.wait_for(
                 self.dht.store(self.key, value, expiration, subkey=self.subkey, return_future=True),
                 self.request_timeout_s))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("dht_store_timeout key=%s timeout_s=%.1f", self.key, self.request_timeout_s)
             return False
 
@@ -122,7 +121,7 @@ class Membership:
         try:
             found = await asyncio.wait_for(self.dht.get(self.key, latest=True, return_future=True),
                                            self.request_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("dht_get_timeout key=%s timeout_s=%.1f", self.key, self.request_timeout_s)
             return None
         return parse_listing(found, now=get_dht_time())

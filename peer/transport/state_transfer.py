@@ -22,14 +22,14 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from pydantic import BaseModel, ConfigDict, Field
 
-from gasloc.peer.channel import STREAM_ERRORS, Channel, read_header
-from gasloc.peer.exchange import SpecLike
-from gasloc.peer.tensor_io import byte_view, in_thread, is_finite, torch_dtype
+from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
+from gasloc.peer.transport.exchange import SpecLike
+from gasloc.peer.transport.tensor_io import byte_view, in_thread, is_finite, torch_dtype
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import PROTOCOL_VERSION, StateReply, StateRequest, TensorSpec, payload_bytes
 from gasloc.protocol.wire import WireError, check_state_reply, encode_header
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 GetState = Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]
 
@@ -82,7 +82,7 @@ class StateServer:
             try:
                 await asyncio.wait_for(self.p2p.remove_binary_stream_handler(self.name), 5.0)
             except (TimeoutError, KeyError, *STREAM_ERRORS) as e:
-                logger.debug(f"remove_handler name={self.name} error={type(e).__name__}: {e}")
+                log.debug("remove_handler name=%s error=%s: %s", self.name, type(e).__name__, e)
 
     async def _reply(self, ch: Channel, code: Code, message: str) -> None:
         reply = StateReply(protocol_version=PROTOCOL_VERSION, code=int(code), message=message[:500],
@@ -112,11 +112,11 @@ class StateServer:
                 finally:
                     self._serving = False
         except (TimeoutError, *STREAM_ERRORS) as e:
-            logger.info(f"state_serve joiner={joiner} outcome=failed detail={type(e).__name__}: {e}")
+            log.info("state_serve joiner=%s outcome=failed detail=%s: %s", joiner, type(e).__name__, e)
         except asyncio.CancelledError:
             # stop() cancelled us; this task belongs to asyncio's unix server, whose done-callback logs a cancelled
             # handler as an error, so the cancellation ends here, at the top of the task
-            logger.debug(f"state_serve joiner={joiner} cancelled")
+            log.debug("state_serve joiner=%s cancelled", joiner)
         finally:
             self._tasks.discard(task)
             ch.close()
@@ -135,8 +135,8 @@ class StateServer:
             await ch.write(byte_view(t), self.cfg.chunk_bytes)
         # wait for the joiner's 1-byte verdict so that closing does not cut the tail of the payload
         verdict = Code.parse((await ch.readexactly(1))[0])
-        logger.info(f"state_serve joiner={joiner} outcome={verdict.name} mb={reply.total_bytes / 1e6:.1f} "
-                    f"seconds={time.monotonic() - t0:.2f}")
+        log.info("state_serve joiner=%s outcome=%s mb=%.1f seconds=%.2f",
+                 joiner, verdict.name, reply.total_bytes / 1e6, time.monotonic() - t0)
 
 
 async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorSpec],
@@ -205,11 +205,11 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
             code = e.code.name if isinstance(e, WireError) else ("TIMEOUT" if isinstance(e, TimeoutError) else
                                                                    "FAILED")
             detail = f"{type(e).__name__}: {e}"
-            logger.info(f"state_download donor={donor} outcome={code} seconds={time.monotonic() - t0:.2f} "
-                        f"detail={detail!r}")
+            log.info("state_download donor=%s outcome=%s seconds=%.2f detail=%r",
+                     donor, code, time.monotonic() - t0, detail)
             failures.append(f"{donor}: {code} ({detail})")
             continue
-        logger.info(f"state_download donor={donor} outcome=ok round={metadata.get('round')} "
-                    f"seconds={time.monotonic() - t0:.2f}")
+        log.info("state_download donor=%s outcome=ok round=%s seconds=%.2f",
+                 donor, metadata.get('round'), time.monotonic() - t0)
         return metadata, tensors
     raise StateDownloadError("no donor delivered a valid state: " + ("; ".join(failures) or "no donors given"))

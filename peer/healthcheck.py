@@ -1,4 +1,4 @@
-"""Container health check: `python -m gasloc.peer.health [--tcp-port P] [--file F] [--fresh F --max-age-s S]`.
+"""Container health check: `python -m gasloc.peer.healthcheck [--tcp-port P] [--file F] [--fresh F --max-age-s S]`.
 
 Healthy (exit 0) when every requested check passes:
   --tcp-port P   something accepts TCP connections on 127.0.0.1:P (the node's p2pd listens on 0.0.0.0:P)
@@ -42,7 +42,7 @@ def check(tcp_port: int | None = None, file: Path | None = None, fresh: Path | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gasloc.peer.health", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m gasloc.peer.healthcheck", description=__doc__.splitlines()[0])
     p.add_argument("--tcp-port", type=int, help="a port that must accept TCP connections on 127.0.0.1")
     p.add_argument("--file", type=Path, help="a file that must exist and be non-empty")
     p.add_argument("--fresh", type=Path, help="a file that must have been written recently")

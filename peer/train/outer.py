@@ -14,7 +14,7 @@ mix lands during the next inner phase.
 Failure semantics: `apply` is the only call that changes params or state, and it is all-or-nothing on tensors
 already in memory. A failed exchange is a solo round (`apply(params, sent)`), never a partial mix.
 The inner optimizer (AdamW) and its state are not touched here: they stay local to the worker across rounds.
-See ../shared/docs/algorithm.md (and docs/algorithms.md) for the equations.
+docs/algorithms.md has the equations and what the unit tests check against.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class OuterConfig(BaseModel):
                           "loss per token (docs/sim-results.md)")
 
     @model_validator(mode="after")
-    def _gossip_is_fixed(self) -> "OuterConfig":
+    def _gossip_is_fixed(self) -> OuterConfig:
         if self.algorithm == "gossip" and (self.outer_lr not in (None, 1.0) or self.momentum not in (None, 0.0)):
             raise ValueError("algorithm 'gossip' is GASLoC with outer_lr=1 and momentum=0; use 'gasloc' to set "
                              "other values")

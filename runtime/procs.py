@@ -4,7 +4,7 @@ nothing of it is left (no process, no p2pd unix socket, no /dev/shm/torch_* file
 One implementation for `gasloc swarm` and the e2e test harness. Linux only: it reads /proc.
 
 Why the care: a hivemind DHT is a forked child with its own p2pd grandchild; if the main Python dies by a signal
-they can outlive it (hivemind-notes §5). So every child gets a session of its own (one signal reaches the whole
+they can outlive it (docs/hivemind.md §5). So every child gets a session of its own (one signal reaches the whole
 tree), the supervisor watches the tree while it runs (PIDs, start times, the unix sockets it binds) and, after
 stopping, checks each recorded PID and path and removes what a hard kill left behind.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 READY_PREFIX = "READY "
 PR_SET_CHILD_SUBREAPER = 36
@@ -51,11 +51,11 @@ def parse_ready(line: str) -> dict[str, Any] | None:
 
 def gasloc_argv(*args: str) -> list[str]:
     """Run gasloc with this interpreter, so a child sees the same venv as its parent whatever PATH says."""
-    return [sys.executable, "-m", "gasloc.main", *args]
+    return [sys.executable, "-m", "gasloc.cli.main", *args]
 
 
 def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send `sig` to this process when the thread that forked it exits (see hivemind-notes §5)."""
+    """Ask the kernel to send `sig` to this process when the thread that forked it exits (see docs/hivemind.md §5)."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
@@ -271,7 +271,7 @@ class Supervisor:
         with self._lock:
             self.children[name] = child
         self.snapshot()
-        logger.debug("started name=%s pid=%d argv=%s", name, popen.pid, " ".join(argv))
+        log.debug("started name=%s pid=%d argv=%s", name, popen.pid, " ".join(argv))
         return child
 
     def wait_ready(self, child: Child, timeout_s: float, cancel: threading.Event | None = None
@@ -327,7 +327,7 @@ class Supervisor:
             try:
                 self.snapshot()
             except Exception:  # a race with a dying process must never kill the watcher
-                logger.debug("snapshot failed", exc_info=True)
+                log.debug("snapshot failed", exc_info=True)
 
     def tree(self, name: str) -> list[tuple[int, str]]:
         """(pid, comm) of every process ever seen in child `name`'s tree."""
@@ -344,7 +344,7 @@ class Supervisor:
             try:
                 child.popen.wait(max(0.0, child.term_sent_at + grace_s - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("child=%s ignored SIGTERM for %.0f s; sending SIGKILL", name, grace_s)
+                log.warning("child=%s ignored SIGTERM for %.0f s; sending SIGKILL", name, grace_s)
                 _killpg(child.pid, signal.SIGKILL)
                 child.popen.wait()
         # The leader is gone; the rest of its tree (DHT fork, p2pd - possibly in process groups of their own) gets

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from gasloc.maddrs import address_scope, peer_id_of
+from gasloc.runtime.maddrs import address_scope, peer_id_of
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 
@@ -161,7 +161,7 @@ async def _ping(p2p, maddr: str, timeout_s: float, max_skew_s: float) -> list[Ch
     try:
         # the daemon wants the transport part only; the /p2p/ id travels separately
         await asyncio.wait_for(p2p._client.connect(peer, [Multiaddr(maddr.split("/p2p/")[0])]), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return [Check(name, FAIL, at + f"no answer within {timeout_s:g} s",
                       "check that the peer runs and that this address is current (a node started with port 0 gets a "
                       "new one at each start: use its maddrs file); a firewall may drop tcp to its port")]

@@ -1,0 +1,177 @@
+"""The partner search of one GASLoC round, as a pure policy: what we know in, the next action out.
+
+The live peer (peer/swarm/gossip.py) carries the actions out on its event loop; tests drive the same object on a
+virtual clock. Nothing here reads a clock, sleeps or does I/O: every method takes `now`.
+
+One search, as the driver runs it:
+    search = policy.begin(now, window_s)        # we offered our tensors and announced "exchanging"
+    loop:
+        an incoming exchange finished ok?  -> policy.succeeded(partner); done
+        action = search.next(sight, now)
+        Finish(let_finish_s)   -> stop; with let_finish_s > 0 first wait that long for the responder exchange
+                                  already in flight with us (bytes are moving; cutting it would cost both sides)
+        Wait(s)                -> wait up to s for an incoming exchange, then ask again
+        Call(peer)             -> exchange with peer; ok -> policy.succeeded(peer), done;
+                                  else pause = search.called(peer, outcome, local, now); wait up to pause
+    policy.end()
+
+Rules (their reasons are in protocol/partners.py):
+- the search ends at `partner_deadline_s`; an overlapped search (outer.overlap) also not before the cut, the end
+  of our next inner phase, and its window is the longer of the two;
+- nobody else live: finish at once (nobody can become ready);
+- pick among ready peers not in backoff, passing over our recent partners, and (with slower_link_ratio, in a
+  "picky" search) peers on much slower links, for the first half of the window;
+- BUSY from the partner: a short cooldown for it and a random pause for us (two peers that called each other at
+  once both got BUSY); BUSY from our own side (our offer was taken meanwhile) costs the partner nothing;
+  a timeout, failure or rejection: exponential backoff for that partner.
+"""
+from __future__ import annotations
+
+import collections
+import random
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from gasloc.protocol.partners import Backoff, peers_to_avoid, peers_to_explore, pick_partner, slower_peers
+
+
+class Call(NamedTuple):
+    peer: str
+
+
+class Wait(NamedTuple):
+    seconds: float
+
+
+class Finish(NamedTuple):
+    reason: str
+    let_finish_s: float = 0.0
+
+
+Action = Call | Wait | Finish
+
+
+@dataclass(frozen=True)
+class SearchRules:
+    """The knobs of the search (from SwarmConfig and ExchangeConfig)."""
+    partner_deadline_s: float = 10.0
+    retry_interval_s: float = 0.25
+    exchange_timeout_s: float = 30.0
+    bandwidth_weighting: bool = False
+    slower_link_ratio: float = 0.0
+    slower_link_open_share: float = 0.25
+
+
+@dataclass(frozen=True)
+class Sight:
+    """What the peer knows at one instant.
+
+    live: compatible peers in the listing; ready: those in state "exchanging" -> the bandwidth that weights them;
+    rates: bytes/s of our last exchange with a peer (0 or absent: never); own_link: our link's estimate;
+    cut: an overlapped search may end (our next inner phase is over; plain rounds: always True);
+    engaged_as_responder: a partner is mid-exchange with us right now."""
+    live: Collection[str]
+    ready: Mapping[str, float]
+    rates: Mapping[str, float] = field(default_factory=dict)
+    own_link: float = 0.0
+    cut: bool = True
+    stopping: bool = False
+    engaged_as_responder: bool = False
+
+
+class PartnerPolicy:
+    """What a peer remembers across rounds (backoff, recent partners, its RNG) and the search of the current one."""
+
+    def __init__(self, rules: SearchRules, backoff: Backoff, *, avoid_recent: int, rng: random.Random):
+        self.rules, self.backoff, self.rng = rules, backoff, rng
+        self.recent: collections.deque[str] = collections.deque(maxlen=avoid_recent)
+        self.search: Search | None = None
+
+    def begin(self, now: float, window_s: float | None = None) -> Search:
+        """A new round's search. `window_s`: an overlapped search's horizon (how long our next inner phase is
+        expected to take); None for a plain round, which searches for partner_deadline_s."""
+        r = self.rules
+        # a share of searches is open to every link (see SwarmConfig.slower_link_open_share)
+        picky = r.slower_link_ratio > 0 and self.rng.random() >= r.slower_link_open_share
+        self.search = Search(self, now, window_s, picky)
+        return self.search
+
+    def end(self) -> None:
+        self.search = None
+
+    def succeeded(self, peer: str) -> None:
+        self.backoff.succeeded(peer)
+        if self.recent.maxlen:
+            self.recent.append(peer)
+
+    def declines(self, peer: str, rate: float, own_link: float, now: float) -> bool:
+        """A caller arrives: answer it BUSY because its link is much slower than ours (only during the first half
+        of a picky search)? Remembered as passed over."""
+        s = self.search
+        if s is None or not s.slower({peer: rate}, own_link, now):
+            return False
+        s.passed.add(peer)
+        return True
+
+
+@dataclass
+class Search:
+    policy: PartnerPolicy
+    start: float
+    window_s: float | None
+    picky: bool
+    passed: set[str] = field(default_factory=set)  # ready peers passed over for being on much slower links
+
+    def __post_init__(self) -> None:
+        r = self.policy.rules
+        self.overlapped = self.window_s is not None
+        self.deadline = self.start + r.partner_deadline_s
+        # overlap: search until the cut and at least partner_deadline_s; recent partners are avoided for the
+        # first half of that longer window
+        self.window_s = r.partner_deadline_s if self.window_s is None else max(self.window_s, r.partner_deadline_s)
+
+    def slower(self, rates: Mapping[str, float], own_link: float, now: float) -> set[str]:
+        if not self.picky:
+            return set()
+        return slower_peers(own_link, rates, now - self.start, self.window_s, ratio=self.policy.rules.slower_link_ratio)
+
+    def next(self, sight: Sight, now: float) -> Action:
+        p, r = self.policy, self.policy.rules
+        if (now >= self.deadline and (not self.overlapped or sight.cut)) or sight.stopping:
+            return Finish("deadline" if not sight.stopping else "stopping",
+                          r.exchange_timeout_s + 1 if sight.engaged_as_responder else 0.0)
+        if not sight.live:
+            return Finish("alone")
+        p.backoff.forget_absent(sight.live)
+        others = [q for q in sight.live if not p.backoff.blocked(q, now)]
+        rates = {q: sight.rates.get(q, 0.0) for q in others}
+        slower = self.slower(rates, sight.own_link, now)
+        explore = (peers_to_explore(sight.own_link, rates, now - self.start, self.window_s,
+                                    ratio=r.slower_link_ratio) if self.picky else set())
+        self.passed |= slower & sight.ready.keys()
+        # a recent partner is passed over only while someone else we would take may become ready
+        avoid = peers_to_avoid(p.recent, set(others) - slower, now - self.start, self.window_s) | slower
+        if explore:  # only unmeasured peers until one of them is ready or the first half is over
+            avoid |= set(others) - explore
+        partner = pick_partner(sight.ready, p.backoff, now, p.rng, weighted=r.bandwidth_weighting, avoid=avoid)
+        if partner is not None:
+            return Call(partner)
+        left = self.deadline - now
+        # overlap past the deadline: search on, at the retry pace, until our inner steps end
+        return Wait(r.retry_interval_s if self.overlapped and left <= 0 else min(r.retry_interval_s, max(left, 0.0)))
+
+    def called(self, peer: str, outcome: str, now: float, *, local: bool = False) -> float:
+        """A call of ours did not succeed: record it; returns how long to wait (for an incoming exchange) before the
+        next step. `local`: the BUSY came from our own side (our offer was taken meanwhile)."""
+        p = self.policy
+        if outcome == "busy":
+            if not local:
+                p.backoff.busy(peer, now)
+            return p.rng.uniform(0, p.rules.retry_interval_s)
+        p.backoff.failed(peer, now, p.rng)
+        return 0.0
+
+    def backoff_of(self, peer: str, now: float) -> float:
+        """Seconds until `peer` may be called again (for the log line after a failure)."""
+        return max(0.0, self.policy.backoff.until.get(peer, now) - now)

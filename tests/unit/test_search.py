@@ -1,0 +1,165 @@
+"""The partner-search policy (protocol/search.py) on a virtual clock: no sockets, no sleeps, no wall-clock bounds."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gasloc.protocol.partners import Backoff
+from gasloc.protocol.search import Call, Finish, PartnerPolicy, SearchRules, Sight, Wait
+
+RULES = SearchRules(partner_deadline_s=10.0, retry_interval_s=0.25, exchange_timeout_s=30.0)
+
+
+def policy(rules: SearchRules = RULES, seed: int = 0, avoid_recent: int = 1) -> PartnerPolicy:
+    return PartnerPolicy(rules, Backoff(min_backoff_s=2.0, max_backoff_s=60.0, busy_cooldown_s=0.5),
+                         avoid_recent=avoid_recent, rng=random.Random(seed))
+
+
+def sight(live, ready=(), **kw) -> Sight:
+    return Sight(live=set(live), ready={p: 1.0 for p in ready}, **kw)
+
+
+def run_until_finish(search, see, t0=0.0, limit=1000):
+    """Step the search, advancing the virtual clock by each Wait; (actions, finish time)."""
+    now, actions = t0, []
+    for _ in range(limit):
+        a = search.next(see(now), now)
+        actions.append(a)
+        if isinstance(a, Finish):
+            return actions, now
+        assert isinstance(a, Wait), a
+        now += a.seconds
+    raise AssertionError("the search never finished")
+
+
+def test_nobody_ready_waits_at_the_retry_pace_and_finishes_exactly_at_the_deadline():
+    s = policy().begin(100.0)
+    actions, end = run_until_finish(s, lambda now: sight({"a", "b"}), t0=100.0)
+    assert end == pytest.approx(110.0)
+    assert actions[-1] == Finish("deadline")
+    assert all(w.seconds == pytest.approx(0.25) for w in actions[:-2])
+    assert 0 <= actions[-2].seconds <= 0.25  # the last wait is cut to what is left
+
+
+def test_alone_finishes_at_once_and_stopping_too():
+    assert policy().begin(0.0).next(sight(set()), 0.0) == Finish("alone")
+    assert policy().begin(0.0).next(sight({"a"}, {"a"}, stopping=True), 0.0) == Finish("stopping")
+
+
+def test_a_ready_peer_is_called():
+    assert policy().begin(0.0).next(sight({"a", "b"}, {"b"}), 1.0) == Call("b")
+
+
+def test_a_late_incoming_exchange_is_allowed_to_finish():
+    """At the deadline a responder exchange in flight gets its own deadline, not cut off."""
+    s = policy().begin(0.0)
+    assert s.next(sight({"a"}, engaged_as_responder=True), 5.0) == Wait(0.25)  # before the deadline: wait as usual
+    assert s.next(sight({"a"}, engaged_as_responder=True), 10.0) == Finish("deadline", 31.0)
+
+
+def test_busy_from_the_partner_costs_it_a_cooldown_and_us_a_random_pause():
+    p = policy()
+    s = p.begin(0.0)
+    pause = s.called("b", "busy", 1.0)
+    assert 0 <= pause <= RULES.retry_interval_s
+    assert s.next(sight({"b", "c"}, {"b"}), 1.2) == Wait(0.25)     # b is cooling down (0.5 s)
+    assert s.next(sight({"b", "c"}, {"b"}), 1.6) == Call("b")      # and then callable again
+    assert p.backoff.failures == {}                                 # busy is not a failure
+
+
+def test_busy_from_our_own_side_costs_the_partner_nothing():
+    s = policy().begin(0.0)
+    s.called("b", "busy", 1.0, local=True)
+    assert s.next(sight({"b"}, {"b"}), 1.0) == Call("b")
+
+
+def test_two_peers_that_call_each_other_at_once_both_get_busy_and_the_random_pauses_part_them():
+    """BUSY from both sides: each is engaged as initiator when the other's call arrives. Their pauses differ, so
+    the next attempt is not simultaneous again."""
+    a, b = policy(seed=1), policy(seed=2)
+    sa, sb = a.begin(0.0), b.begin(0.0)
+    assert sa.next(sight({"b"}, {"b"}), 0.0) == Call("b") and sb.next(sight({"a"}, {"a"}), 0.0) == Call("a")
+    pa, pb = sa.called("b", "busy", 0.01), sb.called("a", "busy", 0.01)
+    assert pa != pb
+    # the one that wakes first calls (the other is still waiting for a caller, its offer free) and succeeds
+    first, other = ("a", "b") if pa < pb else ("b", "a")
+    s_first = sa if first == "a" else sb
+    t = 0.01 + min(pa, pb)
+    assert s_first.next(sight({other}, {other}), max(t, 0.51)) == Call(other)
+
+
+def test_backoff_grows_with_failures_up_to_its_cap_and_clears_on_success():
+    p = policy()
+    s = p.begin(0.0)
+    now, delays = 0.0, []
+    for _ in range(8):
+        s.called("b", "timeout", now)
+        delays.append(s.backoff_of("b", now))
+        now += delays[-1]
+    for d, n in zip(delays, range(1, 9)):
+        assert d == pytest.approx(min(60.0, 2.0 * 2 ** (n - 1)), rel=0.21)  # +-20% jitter
+    assert max(delays) <= 60.0 * 1.2
+    s = p.begin(now)  # a later round: the backoff carries over
+    s.called("b", "failed", now)
+    assert s.next(sight({"b"}, {"b"}), now + 1.0) == Wait(0.25)  # blocked while in backoff
+    p.succeeded("b")
+    assert s.next(sight({"b"}, {"b"}), now + 1.0) == Call("b")
+
+
+def test_a_recent_partner_is_passed_over_in_the_first_half_unless_it_is_the_only_one():
+    p = policy()
+    p.succeeded("b")
+    s = p.begin(0.0)
+    assert s.next(sight({"b", "c"}, {"b"}), 1.0) == Wait(0.25)   # c may still become ready
+    assert s.next(sight({"b", "c"}, {"b"}), 5.0) == Call("b")    # second half: anyone
+    assert p.begin(0.0).next(sight({"b"}, {"b"}), 1.0) == Call("b")  # b is all there is
+
+
+def test_overlap_searches_past_the_deadline_until_the_cut():
+    s = policy().begin(0.0, window_s=30.0)
+    assert s.next(sight({"a"}, cut=False), 12.0) == Wait(0.25)     # deadline passed, inner steps still running
+    assert s.next(sight({"a"}, cut=True), 12.0) == Finish("deadline")
+    # and never sooner than a plain round: a short inner phase still searches partner_deadline_s
+    short = policy().begin(0.0, window_s=1.0)
+    assert short.next(sight({"a"}, cut=True), 5.0) == Wait(0.25)
+    assert short.window_s == 10.0
+
+
+SLOW = SearchRules(partner_deadline_s=10.0, retry_interval_s=0.25, slower_link_ratio=3.0, slower_link_open_share=0.0)
+
+
+def test_slower_link_rule_passes_over_slow_peers_in_the_first_half_and_declines_their_calls():
+    p = policy(SLOW)
+    s = p.begin(0.0)
+    rates = {"fast": 30e6, "slow": 3e6}
+    see = dict(rates=rates, own_link=30e6)
+    assert s.next(sight({"fast", "slow"}, {"slow"}, **see), 1.0) == Wait(0.25)
+    assert s.passed == {"slow"}
+    assert p.declines("slow", 3e6, 30e6, 2.0) and not p.declines("fast", 30e6, 30e6, 2.0)
+    assert s.next(sight({"fast", "slow"}, {"slow"}, **see), 6.0) == Call("slow")  # second half: anyone
+    assert not p.declines("slow", 3e6, 30e6, 6.0)
+    p.end()
+    assert not p.declines("slow", 3e6, 30e6, 1.0)  # no search, nothing to wait for
+
+
+def test_slower_link_rule_explores_unmeasured_peers_first_until_it_can_tell_classes_apart():
+    s = policy(SLOW).begin(0.0)
+    rates = {"met": 30e6, "new": 0.0}
+    assert s.next(sight({"met", "new"}, {"met"}, rates=rates, own_link=30e6), 1.0) == Wait(0.25)
+    assert s.next(sight({"met", "new"}, {"met", "new"}, rates=rates, own_link=30e6), 1.0) == Call("new")
+
+
+def test_open_share_makes_some_searches_open_to_every_link():
+    rules = SearchRules(slower_link_ratio=3.0, slower_link_open_share=0.5)
+    p = policy(rules, seed=3)
+    picky = [p.begin(0.0).picky for _ in range(400)]
+    assert 0.4 < sum(picky) / len(picky) < 0.6
+    assert not any(policy(RULES).begin(0.0).picky for _ in range(10))  # ratio 0: the rule is off
+
+
+def test_bandwidth_weighting_prefers_the_faster_announcement():
+    rules = SearchRules(bandwidth_weighting=True)
+    p = policy(rules, seed=5, avoid_recent=0)
+    picks = [p.begin(0.0).next(Sight(live={"a", "b"}, ready={"a": 9.0, "b": 1.0}), 1.0).peer for _ in range(500)]
+    assert 0.85 < picks.count("a") / 500 < 0.95

@@ -7,8 +7,9 @@ Layout under CheckpointConfig.dir:
 A checkpoint is written into `.tmp-...` (each file fsynced), then renamed to its final name (the commit point),
 then the parent directory is fsynced. A kill at any moment leaves either the previous checkpoints only or the new one
 complete; a leftover `.tmp-...` is reported and removed by the next save. Loading verifies the JSON, the format
-version, the size and sha256 of the tensors and the config fingerprint, and validates every shape before it touches
-the model, so a bad checkpoint is skipped (reason logged) and the next older one is tried.
+version, the size and sha256 of the tensors, the config fingerprint and that every value is finite, and validates
+every shape before it touches the model, so a bad checkpoint is skipped (reason logged) and the next older one is
+tried. A state with a NaN or Inf value is never written (CheckpointError).
 
 Save only between rounds (after `outer.apply`): the outer anchor is not stored, it is restored as the parameters.
 """
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+from gasloc.protocol.messages import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class Loaded:
 def config_fingerprint(*parts) -> str:
     """A short stable hash of JSON-able parts (pydantic models are dumped): equal configs, equal fingerprints."""
     norm = [p.model_dump(mode="json") if isinstance(p, BaseModel) else p for p in parts]
-    return hashlib.sha256(json.dumps(norm, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return fingerprint(parts=norm)  # the one hash of protocol/messages.py
 
 
 def _sha256(path: Path) -> str:
@@ -221,6 +224,9 @@ def save_checkpoint(cfg: CheckpointConfig, *, model: torch.nn.Module, inner_opt:
     root.mkdir(parents=True, exist_ok=True)
     _clean_leftovers(root)
     tensors, record = _flatten(model, inner_opt, outer)
+    bad = _first_non_finite(tensors)
+    if bad is not None:  # a NaN checkpoint would be resumed on every restart: a crash loop
+        raise CheckpointError(f"not written: tensor {bad} has NaN or Inf values")
     record.update({"format": FORMAT, "version": VERSION, "round": int(round), "fingerprint": fp,
                    "created_unix": time.time(), "data_state": data_state, "meta": meta,
                    "model": _model_record(model), "outer": {"class": type(outer).__name__}})
@@ -290,7 +296,18 @@ def read_checkpoint(path: Path, fingerprint: str | None = None) -> tuple[dict, d
         tensors = load_file(str(state_path))
     except Exception as e:  # safetensors raises its own error type for any malformed file  # noqa: BLE001
         raise CheckpointError(f"{STATE_FILE} cannot be read: {str(e).splitlines()[0][:120]}") from None
+    bad = _first_non_finite(tensors)
+    if bad is not None:
+        raise CheckpointError(f"tensor {bad} has NaN or Inf values (written by an older gasloc or by hand)")
     return record, tensors
+
+
+def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor with a NaN or Inf value, or None."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 def scan(root: Path | None, fingerprint: str | None = None):

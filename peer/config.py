@@ -18,6 +18,7 @@ from gasloc.peer.train.model import ModelConfig
 from gasloc.peer.train.outer import OuterConfig
 from gasloc.peer.transport.exchange import ExchangeConfig
 from gasloc.peer.transport.state_transfer import StateTransferConfig
+from gasloc.protocol.guard import GuardConfig
 from gasloc.protocol.messages import check_run_id
 from gasloc.runtime.maddrs import check_announce_ports, check_maddrs, expand_initial_peers
 
@@ -84,6 +85,10 @@ class SwarmConfig(_Section):
                                           "other first")
     join_from_peers: bool = Field(True, description="a peer joining a running swarm (and not resuming a "
                                   "checkpoint) downloads the current parameters from a live peer")
+    join_donor_pool: int = Field(3, ge=1, description="a joiner picks its donor at random among this many live "
+                                 "peers with the most rounds (an announced round is a claim: the peer claiming the "
+                                 "most is not always the donor), checks the state on a local batch and, if it is "
+                                 "worse than a fresh model, tries another, at most this many times")
     join_timeout_s: float = Field(120.0, gt=0, description="give up downloading the state after this long and "
                                   "start from a fresh model")
     resync_after_rounds: float = Field(3.0, ge=0, description="a peer whose process was stopped (SIGSTOP, "
@@ -138,6 +143,18 @@ class RunConfig(_Section):
     torch_threads: int | None = Field(None, ge=1, description="CPU threads for torch; unset: torch's default")
 
 
+class FaultConfig(_Section):
+    """TEST FAULT INJECTOR: makes this peer a hostile volunteer, so tests can show what the guard does against
+    one. Never set it on a real peer. It changes only what this peer trains or sends, never how others treat it."""
+    noise_std: float = Field(0.0, ge=0, description="after every inner step add Gaussian noise of this standard "
+                             "deviation to every parameter (a noisy volunteer)")
+    send_scale: float = Field(1.0, gt=0, description="multiply every tensor this peer sends in an exchange by "
+                              "this (3: a peer that sends its model scaled x3)")
+    nan_at_round: int | None = Field(None, ge=1, description="in this round (once per run directory) turn the "
+                                     "parameters to NaN after the first inner step, so the training loss turns NaN "
+                                     "mid-round")
+
+
 class PeerConfig(_Section):
     """Everything `gasloc peer` needs."""
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -145,6 +162,9 @@ class PeerConfig(_Section):
     inner: InnerConfig = Field(default_factory=InnerConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
     exchange: ExchangeConfig = Field(default_factory=ExchangeConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    fault: FaultConfig | None = Field(None, description="TEST FAULT INJECTOR, never for real runs: make this "
+                                      "peer hostile on purpose (tests/e2e/test_untrusted.py); unset: honest")
     state_transfer: StateTransferConfig = Field(default_factory=StateTransferConfig)
     checkpoint: CheckpointConfig | None = Field(default_factory=CheckpointConfig, description="periodic "
                                                 "checkpoints, and resuming from the newest valid one at start "

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from gasloc.peer.config import PeerConfig
+from gasloc.peer.fingerprint import run_fingerprint
 from gasloc.peer.metrics import JsonlSink, MetricsSink, NullSink, peak_memory_mb
 from gasloc.peer.swarm.absence import resync_due
 from gasloc.peer.swarm.gossip import Background
@@ -38,6 +39,7 @@ from gasloc.peer.train.inner import make_inner_optimizer, run_inner_phase
 from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
 from gasloc.peer.train.outer import make_outer
 from gasloc.protocol.averaging import mix
+from gasloc.protocol.guard import DistanceHistory, Verdict, clip_toward
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.procs import StopSignals
 from gasloc.runtime.safeproc import remove_own_shm
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_ERROR, EXIT_FORCED = 0, 1, 130
 LINK_DECAY = 0.9  # per exchange: a link estimate from 20 exchanges ago counts for 0.9^20 = 12%
+MAX_RECOVERIES = 3  # non-finite losses in a row, each recovered from the last checkpoint, before the peer gives up
 
 
 def pick_device(choice: str) -> torch.device:
@@ -87,6 +90,14 @@ class InnerPhase:
 
 
 @dataclass
+class RoundStart:
+    """What a round cut short by a stop signal is rolled back to (the parameters come back from the outer anchor,
+    which is the previous round boundary's state)."""
+    data_state: dict
+    inner_steps_total: int
+
+
+@dataclass
 class Pending:
     """outer.overlap: a round whose exchange is still running in the background."""
     sent: list[torch.Tensor]
@@ -115,6 +126,11 @@ class Peer:
         self._round_s: deque[float] = deque(maxlen=10)  # recent round durations: the yardstick for an absence
         self._pending: Pending | None = None  # outer.overlap: the previous round's exchange in the background
         self._landed: tuple[RoundExchange, float | None, float | None] | None = None  # ... once mixed in
+        # False from a round's first inner step to its boundary: an exception in between leaves a state that is
+        # neither the last round's nor the next one's, and shutdown then writes no checkpoint
+        self._at_boundary = True
+        self._recoveries = 0
+        self._nan_fired = False  # fault.nan_at_round fires once per process
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -174,8 +190,13 @@ class Peer:
         self.params = list(self.model.parameters())
         self.opt = make_inner_optimizer(self.model, cfg.inner)
         self.outer = make_outer(cfg.outer, self.params)
-        self.fingerprint = self.net.compute_fingerprint(self.model, tok.vocab_size)
+        self.fingerprint = self.net.fingerprint = run_fingerprint(cfg, self.model, tok)
         self.tokenizer_name = cfg.data.tokenizer
+        self.guard = DistanceHistory(cfg.guard)  # our own recent partner distances (protocol/guard.py)
+        self.val_batches = self.data.val_batches()
+        if cfg.fault is not None:
+            log.warning("fault injector on (a TEST setting: this peer is hostile on purpose): %s",
+                        cfg.fault.model_dump())
 
         self.averaging = self._make_averaging()  # DiLoCo forks its averager here (main thread)
         self._install_signals()  # hivemind's averager start sets SIGINT to SIG_IGN in this process
@@ -189,7 +210,6 @@ class Peer:
         del probe
         self._set_state("training", wait=True)
 
-        self.val_batches = self.data.val_batches()
         initial_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
         n_params = sum(p.numel() for p in self.params)
         self.sink.emit("start", peer_id=self.peer_id, fingerprint=self.fingerprint,
@@ -223,10 +243,22 @@ class Peer:
     def _adopt_swarm_state(self) -> str | None:
         """Download a live peer's parameters, outer state and round count and take them over (the inner optimizer
         and the data position stay ours); the donor's id, or None when no donor delivered."""
-        got = self.net.download_state(self.params, self.outer)
-        if got is None:
+        tried: set[str] = set()
+        fresh_loss = evaluate(self.model, self.val_batches[:1], autocast_for(self.device))
+        for _ in range(self.cfg.swarm.join_donor_pool):
+            got = self.net.download_state(self.params, self.outer, exclude=tried)
+            if got is None:
+                return None
+            donor, metadata, params, outer_state = got
+            tried.add(donor)
+            # the donor's sha256 proves transit integrity only: check what it sent on a batch of our own
+            loss = self._evaluate_at([t.to(self.device) for t in params], self.val_batches[:1])
+            if torch.isfinite(torch.tensor(loss)) and loss <= fresh_loss * (1 + self.cfg.guard.val_margin):
+                break
+            log.warning("join: rejected the state of %s code=DISTRUSTED: its loss on a local batch is %.4f, a "
+                        "fresh model's %.4f; trying another donor", _short(donor), loss, fresh_loss)
+        else:
             return None
-        donor, metadata, params, outer_state = got
         with torch.no_grad():
             for p, t in zip(self.params, params):
                 p.copy_(t.to(p.device))
@@ -235,6 +267,7 @@ class Peer:
         else:
             self.outer.reset(self.params)
         self.round = int(metadata.get("round", 0))
+        self.guard.clear()  # a new model: distances measured from the old one say nothing (fresh-joiner rule)
         return donor
 
     def _maybe_resync(self) -> bool:
@@ -278,11 +311,15 @@ class Peer:
         return load_latest(ck, model=self.model, inner_opt=self.opt, outer=self.outer, fingerprint=self.fingerprint)
 
     def _save_checkpoint(self) -> None:
-        from gasloc.peer.checkpoint import save_checkpoint
-        path = save_checkpoint(self._checkpoint_cfg(), model=self.model, inner_opt=self.opt, outer=self.outer,
-                               data_state=self.data.state_dict(), round=self.round, fingerprint=self.fingerprint,
-                               meta={"inner_steps": self.inner_steps_total, "tokenizer": self.tokenizer_name,
-                                     "peer_id": self.peer_id, "model": self.cfg.model.model_dump(mode="json")})
+        from gasloc.peer.checkpoint import CheckpointError, save_checkpoint
+        try:
+            path = save_checkpoint(self._checkpoint_cfg(), model=self.model, inner_opt=self.opt, outer=self.outer,
+                                   data_state=self.data.state_dict(), round=self.round, fingerprint=self.fingerprint,
+                                   meta={"inner_steps": self.inner_steps_total, "tokenizer": self.tokenizer_name,
+                                         "peer_id": self.peer_id, "model": self.cfg.model.model_dump(mode="json")})
+        except CheckpointError as e:  # non-finite state: the older checkpoints stay the newest valid ones
+            log.error("checkpoint round=%d refused: %s", self.round, e)
+            return
         log.info("checkpoint round=%d path=%s", self.round, path)
         self._saved_round = self.round
 
@@ -295,18 +332,54 @@ class Peer:
                 break
             if max_s is not None and time.monotonic() - t0 >= max_s:
                 break
-            self._one_round()
+            try:
+                self._one_round()
+            except FloatingPointError as e:
+                if not self._recover(e):
+                    raise
+                continue
+            self._recoveries = 0
             rounds_done += 1
 
     def _one_round(self) -> None:
         (self._overlap_round if self.cfg.outer.overlap else self._plain_round)()
 
+    def _recover(self, err: FloatingPointError) -> bool:
+        """The loss turned non-finite mid-round: go back to the newest finite checkpoint and train on (a supervisor
+        loop that rebuilds what broke). False when there is none, or after MAX_RECOVERIES in a row: the error then
+        ends the peer, and shutdown writes no checkpoint of the broken state."""
+        self._recoveries += 1
+        if self._recoveries > MAX_RECOVERIES:
+            log.error("recover: %d non-finite rounds in a row; giving up", self._recoveries - 1)
+            return False
+        if self._pending is not None:  # overlap: the exchange in flight carries the broken state's tensors
+            self.averaging.settle(self._pending.background)
+            self._pending, self._landed = None, None
+        from_round = self.round
+        loaded = self._load_checkpoint()
+        if loaded is None:
+            log.error("recover: %s, and no finite checkpoint to go back to", err)
+            return False
+        self.round = self._saved_round = loaded.round
+        self.data.load_state_dict(loaded.data_state)
+        self.inner_steps_total = int(loaded.meta.get("inner_steps", 0))
+        self.guard.clear()
+        self._at_boundary = True
+        self.net.publish_state(self.snapshot())
+        val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
+        log.warning("recover: %s; back to the checkpoint of round %d (was at round %d) val_loss=%.4f", err,
+                    loaded.round, from_round, val_loss)
+        self.sink.emit("recovered", peer_id=self.peer_id, from_round=from_round, round=self.round,
+                       reason=str(err), checkpoint=str(loaded.path), val_loss=val_loss)
+        return True
+
     def _plain_round(self) -> None:
         """Inner steps, then the exchange (the training thread waits for it), the outer step, evaluation."""
         t_start = time.monotonic()
         self._set_state("training")
+        start = self._round_start()
         phase = self._train(t_start)
-        if phase is None or self._maybe_resync():
+        if phase is None or self._dropped_if_cut(phase, start) or self._maybe_resync():
             return
         eval_due = self._eval_due()
         sent = self.outer.outgoing(self.params)
@@ -322,8 +395,9 @@ class Peer:
         t_start = time.monotonic()
         if self._pending is None:  # else the previous round's partner search goes on, in state "exchanging"
             self._set_state("training")
+        start = self._round_start()
         phase = self._train(t_start, after_step=self._mix_if_landed)
-        if phase is None:
+        if phase is None or self._dropped_if_cut(phase, start):
             return
         landed, self._landed = self._landed, None
         # the previous round's exchange (and evaluation), waited for now if it has not landed yet
@@ -336,21 +410,61 @@ class Peer:
         self.outer.apply(self.params, sent)  # as if solo: the mix arrives during the next inner phase
         outer_s = time.monotonic() - t_outer
         if not self.stopping.is_set():
-            background = self.averaging.begin([t.detach().to("cpu") for t in sent], self.round,
-                                              window_s=phase.compute_s)
+            background = self.averaging.begin(self._wire(sent), self.round, window_s=phase.compute_s)
             self._pending = Pending(sent, background, eval_due)
         self._finish_round()
         self._report(t_start, phase, ex, consensus, outer_s, val_loss)
 
     # ------------------------------------------------------------------ the steps rounds are made of
+    def _round_start(self) -> RoundStart:
+        return RoundStart(self.data.state_dict(), self.inner_steps_total)
+
+    def _dropped_if_cut(self, phase: InnerPhase, start: RoundStart) -> bool:
+        """A stop signal cut this round's inner phase short: drop the round (its few steps and a solo outer step
+        with momentum raised the validation loss by ~5% in the model left behind) and go back to the last round
+        boundary: parameters from the outer anchor, the data position and step count from the round's start. The
+        inner AdamW moments keep the cut steps' gradients (statistics only; not worth a copy every round)."""
+        if not self.stopping.is_set() or phase.steps >= self.cfg.inner.inner_steps:
+            return False
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.outer.anchor)
+        self.data.load_state_dict(start.data_state)
+        self.inner_steps_total = start.inner_steps_total
+        self._at_boundary = True
+        log.info("stop cut round %d short after %d of %d inner steps: dropped it, the state is round %d's end",
+                 self.round + 1, phase.steps, self.cfg.inner.inner_steps, self.round)
+        return True
+
+    def _after_step(self, then) -> None:
+        """Between inner steps: the fault injector (tests only), then the caller's hook (overlap's late mix)."""
+        f = self.cfg.fault
+        if f is not None:
+            with torch.no_grad():
+                if f.noise_std > 0:
+                    for p in self.params:
+                        p.add_(torch.randn_like(p), alpha=f.noise_std)
+                if f.nan_at_round == self.round + 1 and not self._nan_fired:
+                    self._nan_fired = True
+                    log.warning("fault: parameters set to NaN in round %d", self.round + 1)
+                    for p in self.params:
+                        p.fill_(float("nan"))
+        then()
+
+    def _wire(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What we send a partner: our outgoing tensors on the CPU (the fault injector may scale them)."""
+        scale = self.cfg.fault.send_scale if self.cfg.fault is not None else 1.0
+        return [t.detach().to("cpu") * scale if scale != 1.0 else t.detach().to("cpu") for t in sent]
+
     def _train(self, t_start: float, after_step=lambda: None) -> InnerPhase | None:
         """This round's inner steps; None when a stop came before the first one (nothing to exchange or apply:
         momentum alone is no round)."""
         cfg = self.cfg
+        self._at_boundary = False
         steps, loss = run_inner_phase(self.model, self.opt, self.data.next_batch, self.inner_steps_total, cfg.inner,
                                       self.device, autocast_for(self.device), should_stop=self.stopping.is_set,
-                                      after_step=after_step)
+                                      after_step=lambda: self._after_step(after_step))
         if steps == 0:
+            self._at_boundary = True
             return None
         self.inner_steps_total += steps
         compute_s = time.monotonic() - t_start
@@ -363,6 +477,7 @@ class Peer:
     def _finish_round(self) -> None:
         """The round boundary: the count moves on and joiners may download this state."""
         self.round += 1
+        self._at_boundary = True
         self.net.publish_state(self.snapshot())
 
     def _report(self, t_start: float, phase: InnerPhase, ex: RoundExchange, consensus: float | None,
@@ -379,7 +494,7 @@ class Peer:
             consensus=consensus, compute_s=phase.compute_s, wait_s=ex.wait_s, transfer_s=ex.transfer_s,
             outer_s=outer_s, round_s=round_s, tokens_per_s=self.throughput_tps,
             peak_mem_mb=peak_memory_mb(self.device), attempts=ex.attempts, passed_over=ex.passed_over,
-            live_peers=self.live_count(), detail=ex.detail or None)
+            live_peers=self.live_count(), detail=ex.detail or None, **_guard_fields(ex.guard))
         log.info("round=%d loss=%.4f%s partner=%s outcome=%s MB=%.2f s=%.2f exchange_s=%.2f", self.round, phase.loss,
                  f" val_loss={val_loss:.4f}" if val_loss is not None else "", _short(ex.partner), outcome,
                  (ex.bytes_sent + ex.bytes_received) / 1e6, round_s, ex.exchange_s)
@@ -391,20 +506,49 @@ class Peer:
         if self.stopping.is_set():
             ex = RoundExchange(outcome="solo", detail="stopping")
         else:
-            ex = self.averaging.average([t.detach().to("cpu") for t in sent], self.round, self.live_count)
+            ex = self.averaging.average(self._wire(sent), self.round, self.live_count)
         self._note_bandwidth(ex)
         t_outer = time.monotonic()
-        # a solo round: mix is the identity, the outer momentum still applies
-        mixed, consensus = self._mixed(sent, ex) if ex.ok else (sent, None)
-        self.outer.apply(self.params, mixed)
+        mixed, consensus = self._mixed(sent, ex) if ex.ok else (None, None)
+        # a solo round (also when the guard rejected the partner): mix is the identity, the outer momentum applies
+        self.outer.apply(self.params, sent if mixed is None else mixed)
         return ex, consensus, time.monotonic() - t_outer
 
-    def _mixed(self, sent: list[torch.Tensor], ex: RoundExchange) -> tuple[list[torch.Tensor], float]:
+    def _mixed(self, sent: list[torch.Tensor], ex: RoundExchange) -> tuple[list[torch.Tensor] | None, float]:
         """Our tensors mixed with what an ok exchange received (a partner's, or DiLoCo's group mean, used as is),
-        and the consensus metric: their distance relative to ours."""
+        and the consensus metric: their distance relative to ours. A partner's tensors pass the guard first
+        (protocol/guard.py): clipped toward ours, or rejected (None; `ex` then reads as rejected)."""
         received = [t.to(self.device) for t in ex.received]
-        mixed = mix(sent, [received], self.cfg.outer.mix_weight) if ex.kind == "pair" else received
-        return mixed, relative_distance(sent, received)
+        consensus = relative_distance(sent, received)
+        if ex.kind != "pair":
+            return received, consensus
+        if self.cfg.guard.enabled:
+            v = self._judge(sent, received, consensus, ex)
+            if v.rejected:
+                ex.outcome, ex.received = "rejected", None
+                ex.detail = f"guard code={v.code.name if v.code else '-'} {v.reason}"
+                log.warning("round=%d partner=%s guard rejected code=%s %s", self.round + 1, _short(ex.partner),
+                            v.code.name if v.code else "-", v.reason)
+                return None, consensus
+            received = clip_toward(sent, received, v.scale)
+        return mix(sent, [received], self.cfg.outer.mix_weight), consensus
+
+    def _judge(self, sent: list[torch.Tensor], received: list[torch.Tensor], distance: float,
+               ex: RoundExchange) -> Verdict:
+        """The guard's verdict on one partner (a suspicious one is checked on one local validation batch), recorded
+        in our history and in the partner's trust, and attached to the round's report."""
+        v = self.guard.judge(distance)
+        if v.action == "check":
+            if len(received) == len(self.params) and all(r.shape == p.shape for r, p in zip(received, self.params)):
+                batch = self.val_batches[:1]
+                v = self.guard.after_check(v, self._evaluate_at(sent, batch), self._evaluate_at(received, batch))
+            else:  # tensors that are no model (NoLoCo sends two per parameter): clip without the check
+                v = Verdict("clip", v.distance, v.tau, v.scale, reason="not a model: clipped unchecked")
+        self.guard.record(v)
+        trust = self.averaging.policy.judged(ex.partner, v, time.monotonic())
+        ex.guard = {"guard": v.action, "guard_tau": v.tau, "clipped_by": 1.0 - v.scale if v.clipped else 0.0,
+                    "rejected": v.rejected, "partner_trust": trust}
+        return v
 
     def _note_bandwidth(self, ex: RoundExchange) -> None:
         if ex.ok and ex.bytes_received and ex.exchange_s > 0:
@@ -430,7 +574,8 @@ class Peer:
         consensus = None
         if ex.ok:
             mixed, consensus = self._mixed(sent, ex)
-            self.outer.late_mix(self.params, sent, mixed)
+            if mixed is not None:
+                self.outer.late_mix(self.params, sent, mixed)
         return ex, consensus, self._evaluate_at(self.outer.anchor) if eval_due and evaluate_due else None
 
     def _mix_if_landed(self) -> None:
@@ -443,12 +588,13 @@ class Peer:
         log.info("overlap: settled the last exchange outcome=%s partner=%s", ex.outcome, _short(ex.partner))
 
     @torch.no_grad()
-    def _evaluate_at(self, point: list[torch.Tensor]) -> float:
-        """Validation loss of the model with `point` as its parameters (a transient copy of the current ones)."""
+    def _evaluate_at(self, point: list[torch.Tensor], batches: list[torch.Tensor] | None = None) -> float:
+        """Validation loss of the model with `point` as its parameters (a transient copy of the current ones), on
+        `batches` (default: all validation batches)."""
         saved = [p.detach().clone() for p in self.params]
         torch._foreach_copy_(self.params, point)
         try:
-            return evaluate(self.model, self.val_batches, autocast_for(self.device))
+            return evaluate(self.model, self.val_batches if batches is None else batches, autocast_for(self.device))
         finally:
             torch._foreach_copy_(self.params, saved)
 
@@ -483,10 +629,15 @@ class Peer:
             self.stopping.set()  # (also after --max-rounds) no new attempts: we left the listing; one in flight ends
             shutdown_step("settle the last exchange", self._settle_last)
             unsaved = True  # even if this round was saved: the mix just added is not in it
-        # every round ends with outer.apply, so the state here is at a round boundary: safe to checkpoint
-        # (self.averaging is set once the model, optimizer and outer state exist)
+        # a round ends with outer.apply, and a round cut by a stop signal is rolled back, so after a clean stop the
+        # state is at a round boundary; after an exception mid-round it is not, and nothing is written (the last
+        # periodic checkpoint stays the newest). (self.averaging is set once the model, optimizer and outer exist.)
         if self.averaging is not None and self.cfg.checkpoint is not None and unsaved:
-            shutdown_step("checkpoint", self._save_checkpoint)
+            if self._at_boundary:
+                shutdown_step("checkpoint", self._save_checkpoint)
+            else:
+                log.warning("no checkpoint at shutdown: stopped mid-round by an error (round %d is the newest saved)",
+                            self._saved_round)
         if self.averaging is not None:
             shutdown_step("averaging.close", self.averaging.close)
         if self.net is not None:
@@ -501,3 +652,9 @@ class Peer:
 
 def _short(peer_id: str | None) -> str:
     return "-" if not peer_id else (peer_id if len(peer_id) <= 12 else f"{peer_id[:6]}…{peer_id[-4:]}")
+
+
+def _guard_fields(guard: dict | None) -> dict:
+    """The round record's guard fields (null when no partner's tensors were judged this round)."""
+    keys = ("guard", "guard_tau", "clipped_by", "rejected", "partner_trust")
+    return {k: (guard or {}).get(k) for k in keys}

@@ -33,6 +33,7 @@ class Code(IntEnum):
     TIMEOUT = 10, "You were too slow: my deadline passed before we finished."
     INTERNAL = 11, "Something failed on my side; not your fault, try later or elsewhere."
     BAD_CHECKSUM = 12, "Your payload does not match the checksum your header declared."
+    DISTRUSTED = 13, "Your model is too far from mine, or worse on my data: I did not mix it in (protocol/guard.py)."
 
     @classmethod
     def parse(cls, value: int) -> Code:

@@ -63,12 +63,17 @@ def candidate_weights(bandwidth_bps: Mapping[str, float], *, weighted: bool) -> 
 
 
 def pick_partner(ready: Mapping[str, float], backoff: Backoff, now: float, rng: random.Random, *,
-                 weighted: bool, avoid: Iterable[str] = ()) -> str | None:
+                 weighted: bool, avoid: Iterable[str] = (), trust: Mapping[str, float] | None = None) -> str | None:
     """One partner among `ready` (peer id -> measured bandwidth, peers currently in state exchanging), skipping
-    those in backoff and those in `avoid`; None when nobody is available right now."""
+    those in backoff and those in `avoid`; None when nobody is available right now. `trust` (peer -> score in
+    (0, 1], protocol/guard.py; absent: 1) multiplies the selection weight, so a peer whose mixes were clipped or
+    rejected is picked less often until its trust recovers."""
     skip = set(avoid)
     avail = {p: b for p, b in ready.items() if p not in skip and not backoff.blocked(p, now)}
-    return choose_partner(candidate_weights(avail, weighted=weighted), rng)
+    weights = candidate_weights(avail, weighted=weighted)
+    if trust is not None:
+        weights = {p: w * trust.get(p, 1.0) for p, w in weights.items()}
+    return choose_partner(weights, rng)
 
 
 def slower_peers(own_bps: float, pair_bps: Mapping[str, float], elapsed_s: float, window_s: float, *,

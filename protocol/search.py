@@ -23,7 +23,9 @@ Rules (their reasons are in protocol/partners.py):
   "picky" search) peers on much slower links, for the first half of the window;
 - BUSY from the partner: a short cooldown for it and a random pause for us (two peers that called each other at
   once both got BUSY); BUSY from our own side (our offer was taken meanwhile) costs the partner nothing;
-  a timeout, failure or rejection: exponential backoff for that partner.
+  a timeout, failure or rejection: exponential backoff for that partner;
+- trust (protocol/guard.py, when the policy has a TrustBook): a peer whose mixes we clipped or rejected is picked
+  with probability scaled by its trust, and below guard.busy_below it is neither called nor accepted (BUSY).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from gasloc.protocol.guard import TrustBook, Verdict
 from gasloc.protocol.partners import Backoff, peers_to_avoid, peers_to_explore, pick_partner, slower_peers
 
 
@@ -83,8 +86,9 @@ class Sight:
 class PartnerPolicy:
     """What a peer remembers across rounds (backoff, recent partners, its RNG) and the search of the current one."""
 
-    def __init__(self, rules: SearchRules, backoff: Backoff, *, avoid_recent: int, rng: random.Random):
-        self.rules, self.backoff, self.rng = rules, backoff, rng
+    def __init__(self, rules: SearchRules, backoff: Backoff, *, avoid_recent: int, rng: random.Random,
+                 trust: TrustBook | None = None):
+        self.rules, self.backoff, self.rng, self.trust = rules, backoff, rng, trust
         self.recent: collections.deque[str] = collections.deque(maxlen=avoid_recent)
         self.search: Search | None = None
 
@@ -104,6 +108,16 @@ class PartnerPolicy:
         self.backoff.succeeded(peer)
         if self.recent.maxlen:
             self.recent.append(peer)
+
+    def judged(self, peer: str, verdict: Verdict, now: float) -> float:
+        """The guard's verdict on a partner's tensors (clip or reject lowers its trust); returns its trust now."""
+        if self.trust is None:
+            return 1.0
+        self.trust.forget_recovered(now)
+        return self.trust.penalize(peer, verdict, now)
+
+    def distrusted(self, peer: str, now: float) -> bool:
+        return self.trust is not None and self.trust.distrusted(peer, now)
 
     def declines(self, peer: str, rate: float, own_link: float, now: float) -> bool:
         """A caller arrives: answer it BUSY because its link is much slower than ours (only during the first half
@@ -154,7 +168,12 @@ class Search:
         avoid = peers_to_avoid(p.recent, set(others) - slower, now - self.start, self.window_s) | slower
         if explore:  # only unmeasured peers until one of them is ready or the first half is over
             avoid |= set(others) - explore
-        partner = pick_partner(sight.ready, p.backoff, now, p.rng, weighted=r.bandwidth_weighting, avoid=avoid)
+        trust = None
+        if p.trust is not None:  # a repeat offender is not called until its trust recovers, and picked less often
+            trust = p.trust.weights(sight.ready, now)
+            avoid |= {q for q, t in trust.items() if t < p.trust.cfg.busy_below}
+        partner = pick_partner(sight.ready, p.backoff, now, p.rng, weighted=r.bandwidth_weighting, avoid=avoid,
+                               trust=trust)
         if partner is not None:
             return Call(partner)
         left = self.deadline - now

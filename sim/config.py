@@ -10,6 +10,7 @@ from gasloc.peer.train.data import DataConfig
 from gasloc.peer.train.inner import InnerConfig
 from gasloc.peer.train.model import ModelConfig
 from gasloc.peer.train.outer import OuterConfig
+from gasloc.protocol.guard import GuardConfig
 from gasloc.protocol.matching import Topology
 from gasloc.sim.clock import PROFILES, Link
 
@@ -62,6 +63,9 @@ class SimConfig(BaseModel):
     inner: InnerConfig = Field(default_factory=InnerConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
     clock: ClockConfig = Field(default_factory=ClockConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig, description="robust mixing, as a live peer runs it "
+                               "(each worker judges each partner from its own distance history; no trust-based "
+                               "partner choice: the matchings are the topology's)")
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:

@@ -18,6 +18,7 @@ from gasloc.peer.train.inner import inner_step, make_inner_optimizer, steps_this
 from gasloc.peer.train.model import build_model
 from gasloc.peer.train.outer import make_outer
 from gasloc.protocol.averaging import exact_mean, mix
+from gasloc.protocol.guard import DistanceHistory, Verdict, clip_toward, relative_distance
 from gasloc.protocol.matching import bandwidth_weights, graph_edges
 from gasloc.sim.clock import build_links
 from gasloc.sim.config import SimConfig
@@ -52,6 +53,8 @@ class SimTrainer:
         self.weight = cfg.outer.mix_weight
         self.overlap = cfg.outer.overlap
         self.late: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None] = [None] * k  # overlap: (sent, mixed)
+        self.guards = [DistanceHistory(cfg.guard) for _ in range(k)]
+        self.guard_counts = {"accept": 0, "check": 0, "clip": 0, "reject": 0}
 
     @property
     def num_params(self) -> int:
@@ -80,18 +83,44 @@ class SimTrainer:
         degree = {i: len(ps) for i, ps in partners.items()}
         for i, ps in partners.items():
             own = self.sent[i]
+            theirs = {j: self.sent[j] for j in ps}
+            if self.cfg.guard.enabled:  # each worker judges what it received, as a live peer does
+                theirs = self._guarded(i, theirs)
             groups: dict[float, list[int]] = {}
-            for j in ps:
+            for j in theirs:
                 w = self.weight if self.weight is not None else 1 / (1 + max(degree[i], degree[j]))
                 groups.setdefault(w, []).append(j)
             if not groups:
                 self.mixed[i] = own
                 continue
             # z = own + sum_j w_j (x_j - own), one protocol.mix call per distinct weight
-            parts = [mix(own, [self.sent[j] for j in js], w) for w, js in groups.items()]
+            parts = [mix(own, [theirs[j] for j in js], w) for w, js in groups.items()]
             for extra in parts[1:]:
                 torch._foreach_add_(parts[0], torch._foreach_sub(extra, own))
             self.mixed[i] = parts[0]
+
+    def _guarded(self, i: int, theirs: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """Worker i's partners' tensors after its guard (protocol/guard.py): clipped toward its own, or left out."""
+        own, out = self.sent[i], {}
+        for j, t in theirs.items():
+            v = self.guards[i].judge(relative_distance(own, t))
+            if v.action == "check":
+                if len(t) == len(self.params[i]):
+                    v = self.guards[i].after_check(v, self._loss_at(own), self._loss_at(t))
+                else:  # NoLoCo's tensors are no model
+                    v = Verdict("clip", v.distance, v.tau, v.scale)
+            self.guards[i].record(v)
+            self.guard_counts[v.action] += 1
+            if not v.rejected:
+                out[j] = clip_toward(own, t, v.scale)
+        return out
+
+    @torch.no_grad()
+    def _loss_at(self, point: list[torch.Tensor]) -> float:
+        """Loss of `point` on one validation batch (the guard's check of a suspicious partner)."""
+        for dst, src in zip(self.eval_model.parameters(), point):
+            dst.copy_(src)
+        return evaluate(self.eval_model, self.val[:1])
 
     def allreduce(self, workers: list[int]) -> None:
         if self.weight is None:  # the exact mean, computed once (every update reads `mixed` without writing it)
@@ -207,6 +236,7 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
         "config": cfg.model_dump(mode="json"),
         "links": [x.as_dict() for x in links],
         "model_params": trainer.num_params,
+        "guard": dict(trainer.guard_counts),  # verdicts on partners (all zero with guard.enabled = false)
         "bytes_scale": scale,
         "evals": evals,
         "final_val_loss": evals[-1]["val_loss_mean"],

@@ -109,6 +109,10 @@ class DilocoAveraging:
             return self._report("solo", t0, t_allreduce, target, "group of one")
         with self.averager.get_tensors() as bufs:
             mean = [b.clone() for b in bufs]
+        if not all(bool(torch.isfinite(t).all()) for t in mean):
+            # a groupmate sent NaN or Inf (hivemind does not check): applying it would break every member's model
+            return self._report("rejected", t0, t_allreduce, target, "code=NOT_FINITE the group mean has NaN or "
+                                "Inf values; not applied")
         start = t_allreduce if t_allreduce is not None else t0
         n = len(group)
         moved = int(2 * (n - 1) / n * self.vector_bytes)

@@ -32,6 +32,7 @@ from hivemind.p2p import PeerID
 
 from gasloc.peer.swarm.round_report import RoundExchange
 from gasloc.peer.transport.exchange import Exchanger, ExchangeResult, Outcome
+from gasloc.protocol.guard import TrustBook
 from gasloc.protocol.partners import Backoff
 from gasloc.protocol.search import Call, Finish, PartnerPolicy, SearchRules, Sight, Wait
 
@@ -63,8 +64,10 @@ class GossipAveraging:
                             bandwidth_weighting=sw.bandwidth_weighting, slower_link_ratio=sw.slower_link_ratio,
                             slower_link_open_share=sw.slower_link_open_share)
         # partner choice must differ between peers: the RNG is seeded from the OS
+        # trust (guard.enabled): the daemon reports its guard's verdicts (judged), the search and _declines read it
+        trust = TrustBook(cfg.guard) if cfg.guard.enabled else None
         self.policy = PartnerPolicy(rules, Backoff(sw.min_backoff_s, sw.max_backoff_s, sw.busy_cooldown_s),
-                                    avoid_recent=sw.avoid_recent_partners, rng=random.Random())
+                                    avoid_recent=sw.avoid_recent_partners, rng=random.Random(), trust=trust)
         self.exchanger: Exchanger | None = None
 
     def start(self, specs: list[tuple[tuple[int, ...], torch.dtype]], fingerprint: str) -> None:
@@ -92,6 +95,8 @@ class GossipAveraging:
     def _declines(self, peer_id: PeerID) -> str | None:
         """The exchanger asks before accepting a caller: why to answer it busy, or None to accept."""
         peer = str(peer_id)
+        if self.policy.distrusted(peer, time.monotonic()):
+            return "distrusted: its recent mixes were clipped or rejected (guard.busy_below)"
         if self.policy.declines(peer, self.exchanger.rate(peer), self.own_link(), time.monotonic()):
             return "waiting for a partner on a link like ours"
         return None

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from hivemind.p2p import PeerID
 
 from gasloc.peer.swarm.absence import AbsenceWatch
 from gasloc.peer.swarm.membership import Membership, PeerRecord, make_validators
-from gasloc.protocol.messages import PROTOCOL_VERSION, fingerprint
+from gasloc.protocol.messages import PROTOCOL_VERSION
 from gasloc.runtime.aio import LoopThread
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.safeproc import SafeDHT
@@ -84,15 +85,6 @@ class Network:
             log.warning("no initial peers: starting a new swarm; others join with --initial-peers %s",
                         public[0] if public else "<this peer's multiaddr>")
         log.info("dht_started peer_id=%s maddrs=%s", self.peer_id, ",".join(self.maddrs))
-
-    def compute_fingerprint(self, model: torch.nn.Module, vocab_size: int) -> str:
-        """Everything two peers must share to mix tensors: shapes, and what the sent tensors mean."""
-        m, o = self.cfg.model, self.cfg.outer
-        self.fingerprint = fingerprint(
-            protocol=PROTOCOL_VERSION, preset=m.preset, seq_len=m.seq_len, rope_theta=m.rope_theta,
-            vocab_size=vocab_size, shapes=[list(p.shape) for p in model.parameters()],
-            algorithm=o.algorithm, form=o.form if o.algorithm in ("gasloc", "gossip") else None, seed=self.cfg.run.seed)
-        return self.fingerprint
 
     def start_services(self) -> None:
         """The event loop thread, the p2p replica (same daemon and peer id as the DHT) and the membership."""
@@ -189,16 +181,22 @@ class Network:
     def _get_state(self):
         return self._snapshot
 
-    def download_state(self, params: list[torch.Tensor], outer):
-        """(donor, metadata, params, outer_state) from a live peer, or None when nobody is there (a fresh swarm)
-        or no donor delivered a verified state in time (then the peer starts from the seed model, logged)."""
+    def download_state(self, params: list[torch.Tensor], outer, exclude: Collection[str] = ()):
+        """(donor, metadata, params, outer_state) from a live peer not in `exclude`, or None when nobody is there
+        (a fresh swarm) or no donor delivered a verified state in time (then the peer starts from the seed model,
+        logged)."""
         from gasloc.peer.transport.state_transfer import StateDownloadError, download_state
 
         live = self.live
-        # most advanced first; a donor that fails (dies mid-transfer, busy, garbage) is skipped for the next
         # Only peers that trained at least one round: peers started together all hold the seed model already.
-        donors = sorted((pid for pid, r in live.items() if r.state != "joining" and r.round > 0),
-                        key=lambda p: -live[p].round)
+        # The announced round is a claim, so it does not pick the donor: a random one of the top join_donor_pool
+        # goes first (a liar claiming round 1e9 is first only that often), then the rest, most advanced first; a
+        # donor that fails (dies mid-transfer, busy, garbage) is skipped for the next.
+        donors = sorted((pid for pid, r in live.items() if r.state != "joining" and r.round > 0
+                         and pid not in exclude), key=lambda p: -live[p].round)
+        top = donors[:self.cfg.swarm.join_donor_pool]
+        random.shuffle(top)
+        donors = top + donors[len(top):]
         if not donors:
             log.info("join: no live peer has trained yet; starting from the seed model")
             return None

@@ -3,11 +3,12 @@ DiLoCo's all-reduce), so the training loop applies and records them the same way
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from gasloc.protocol.guard import relative_distance  # noqa: F401 - the metrics' consensus, re-exported
 
 
 @dataclass
@@ -31,6 +32,7 @@ class RoundExchange:
     passed_over: int = 0         # ready peers on much slower links not asked or answered busy (slower_link_ratio)
     detail: str = ""
     overlapped: bool = False     # outer.overlap: it ran during the next round's inner steps (no transfer time)
+    guard: dict | None = None    # the guard's verdict on the partner (peer/daemon.py _judge), for the metrics line
 
     @property
     def ok(self) -> bool:
@@ -39,11 +41,3 @@ class RoundExchange:
     @property
     def transfer_s(self) -> float:
         return self.exchange_s if self.ok and not self.overlapped else 0.0
-
-
-@torch.no_grad()
-def relative_distance(own: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> float:
-    """||own - other|| / ||own|| over all tensors (the metrics' "consensus"); 0/0 reads as 0."""
-    num = sum(float(torch.sum((a.float() - b.to(a.device).float()) ** 2)) for a, b in zip(own, other))
-    den = sum(float(torch.sum(a.float() ** 2)) for a in own)
-    return (num ** 0.5) / (den ** 0.5) if den > 0 else 0.0

@@ -6,6 +6,7 @@ cached). Both kinds share one small interface: `vocab_size`, `eos_id`, `encode`,
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -81,6 +82,18 @@ class HFTokenizer:
         else:
             self.tok.save(str(out_dir / "tokenizer.json"))
         _write_tokenizer_config(out_dir, eos_token=self.eos_token)
+
+
+def tokenizer_identity(tok: ByteTokenizer | HFTokenizer) -> dict:
+    """What identifies a tokenizer across machines: its name, vocabulary size and a hash of its vocabulary (token ->
+    id, added tokens included). Two 32k tokenizers of different origin differ here; the same tokenizer loaded
+    from the hub or from a local copy does not."""
+    if isinstance(tok, ByteTokenizer):
+        vocab = {"bytes": 256}
+    else:
+        vocab = tok.tok.get_vocab(with_added_tokens=True)
+    blob = json.dumps(sorted(vocab.items()), separators=(",", ":"), ensure_ascii=False).encode()
+    return {"name": tok.name, "vocab_size": int(tok.vocab_size), "vocab_sha256": hashlib.sha256(blob).hexdigest()}
 
 
 def _write_tokenizer_config(out_dir: Path, eos_token: str | None) -> None:

@@ -1,0 +1,190 @@
+"""Robust mixing: how far a partner may pull us, decided before `mix`. Pure: no I/O, no clock (times are passed in).
+
+One partner's tensors y_j arrive next to our own y. The guard measures the relative distance
+    d = ||y_j - y|| / ||y||
+and compares it with tau = clip_factor x median(our own recent accepted partner distances). The statistic is our
+own history, never the current partner: with one partner per round the current distance alone tells nothing, and a
+hostile partner cannot talk its own way in. Then:
+    d <= tau                      accept: y_j is mixed in as it is (honest mixing is unchanged)
+    tau < d <= reject_factor*tau  suspicious: the caller checks y_j on one local batch (`after_check`); if y_j is
+                                  no worse than y there, it is clipped: y_j' = y + (tau/d)(y_j - y), else rejected
+    d > reject_factor*tau          rejected (Code.DISTRUSTED): a solo round
+So one bad partner moves us at most w*tau per round (self-centered clipping, He, Karimireddy & Jaggi 2022).
+
+First rounds and fresh joiners: until `min_history` distances are known, tau is the fixed `first_rounds_tau`
+(honest pairs of the tiny swarm measure ~0.07; a noisy volunteer 0.9-4, a peer sending 3y measures 2). A resync
+clears the history (the peer's model changed under it).
+
+Trust: every clip or rejection lowers the partner's trust score (multiplicatively); the lost part recovers with a
+half-life. Partner choice weights candidates by trust, and a peer whose trust is below `busy_below` is neither
+called nor accepted (answered BUSY) until it recovers: a repeat offender loses its mixing weight in the swarm.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gasloc.protocol.codes import Code
+
+Action = Literal["accept", "check", "clip", "reject"]
+
+
+class GuardConfig(BaseModel):
+    """Robust mixing (protocol/guard.py): clip or reject a partner whose model is far from ours, and lower its
+    trust."""
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="guard every mix (false: mix whatever passes the wire checks)")
+    clip_factor: float = Field(3.0, gt=1, description="k: clip a partner's difference at tau = k x the median of "
+                               "our recent partner distances ||y_j - y|| / ||y||")
+    reject_factor: float = Field(4.0, gt=1, description="reject a partner farther than this many times tau")
+    history: int = Field(16, ge=1, description="how many of our recent accepted partner distances tau is taken "
+                         "from")
+    min_history: int = Field(3, ge=1, description="until this many distances are known (first rounds, fresh "
+                             "joiner, after a resync), tau is first_rounds_tau")
+    first_rounds_tau: float = Field(0.3, gt=0, description="tau (a relative distance) before min_history "
+                                    "distances are known")
+    min_tau: float = Field(1e-3, gt=0, description="tau is never below this (peers that just started from the "
+                           "same model are almost equal)")
+    val_check: bool = Field(True, description="check a suspicious partner's model (farther than tau) on one local "
+                            "validation batch before mixing; reject it if worse than ours by val_margin")
+    val_margin: float = Field(0.1, ge=0, description="a suspicious partner's loss may exceed ours by this fraction")
+    clip_penalty: float = Field(0.3, ge=0, le=1, description="a clipped partner's trust is multiplied by 1 - this")
+    reject_penalty: float = Field(0.6, ge=0, le=1, description="a rejected partner's trust is multiplied by 1 - "
+                                  "this")
+    trust_half_life_s: float = Field(120.0, gt=0, description="lost trust recovers with this half-life")
+    busy_below: float = Field(0.5, ge=0, le=1, description="a peer whose trust is below this is not called and is "
+                              "answered BUSY")
+
+    @model_validator(mode="after")
+    def _order(self) -> GuardConfig:
+        if self.min_history > self.history:
+            raise ValueError(f"min_history {self.min_history} exceeds history {self.history}")
+        return self
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What to do with one partner's tensors. `scale`: the share of the difference kept (1: all; 0: rejected);
+    `distance` and `tau` are relative to ||y||; `code` is set on a rejection."""
+    action: Action
+    distance: float
+    tau: float
+    scale: float = 1.0
+    code: Code | None = None
+    reason: str = ""
+
+    @property
+    def clipped(self) -> bool:
+        return self.action == "clip"
+
+    @property
+    def rejected(self) -> bool:
+        return self.action == "reject"
+
+
+@dataclass
+class DistanceHistory:
+    """Our own recent partner distances (accepted ones, each capped at the tau it was judged by)."""
+    cfg: GuardConfig
+    values: deque[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.values = deque(maxlen=self.cfg.history)
+
+    def tau(self) -> float:
+        c = self.cfg
+        if len(self.values) < c.min_history:
+            return c.first_rounds_tau
+        return max(c.min_tau, c.clip_factor * statistics.median(self.values))
+
+    def judge(self, distance: float) -> Verdict:
+        """The verdict on a partner at `distance`, from the history only (the partner does not move tau)."""
+        c, tau = self.cfg, self.tau()
+        if not math.isfinite(distance):
+            return Verdict("reject", distance, tau, 0.0, Code.NOT_FINITE, "distance is not finite")
+        if distance <= tau:
+            return Verdict("accept", distance, tau)
+        if distance > c.reject_factor * tau:
+            return Verdict("reject", distance, tau, 0.0, Code.DISTRUSTED,
+                           f"distance {distance:.3g} > {c.reject_factor:g} x tau {tau:.3g}")
+        if c.val_check:
+            return Verdict("check", distance, tau, tau / distance)
+        return Verdict("clip", distance, tau, tau / distance)
+
+    def after_check(self, v: Verdict, own_loss: float, partner_loss: float) -> Verdict:
+        """A "check" verdict settled by both models' loss on the same local batch."""
+        if v.action != "check":
+            return v
+        bound = own_loss * (1 + self.cfg.val_margin)
+        if not math.isfinite(partner_loss) or partner_loss > bound:
+            return Verdict("reject", v.distance, v.tau, 0.0, Code.DISTRUSTED,
+                           f"partner's loss {partner_loss:.4g} on a local batch > {bound:.4g}")
+        return Verdict("clip", v.distance, v.tau, v.scale, reason="checked on a local batch")
+
+    def record(self, v: Verdict) -> None:
+        """Remember an accepted or clipped partner's distance, capped at its tau (so one far partner raises the
+        statistic by at most the clip factor); a rejected one is not remembered."""
+        if v.action in ("accept", "clip"):
+            self.values.append(min(v.distance, v.tau))
+
+    def clear(self) -> None:
+        self.values.clear()
+
+
+@torch.no_grad()
+def relative_distance(own: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> float:
+    """||own - other|| / ||own|| over all tensors (the metrics' "consensus"); 0/0 reads as 0."""
+    num = sum(float(torch.sum((a.float() - b.to(a.device).float()) ** 2)) for a, b in zip(own, other))
+    den = sum(float(torch.sum(a.float() ** 2)) for a in own)
+    return (num ** 0.5) / (den ** 0.5) if den > 0 else 0.0
+
+
+@torch.no_grad()
+def clip_toward(own: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor], scale: float) -> list[torch.Tensor]:
+    """y + scale (y_j - y), as new tensors: the partner's tensors with their difference from ours shortened."""
+    if scale >= 1.0:
+        return [t for t in theirs]
+    return [a + scale * (b - a) for a, b in zip(own, theirs)]
+
+
+@dataclass
+class TrustBook:
+    """A decaying per-peer trust score in (0, 1]: 1 - trust halves every half_life_s; offenses multiply trust."""
+    cfg: GuardConfig
+    _lost: dict[str, tuple[float, float]] = field(default_factory=dict)  # peer -> (distrust at time t, t)
+
+    def score(self, peer: str, now: float) -> float:
+        got = self._lost.get(peer)
+        if got is None:
+            return 1.0
+        lost, t = got
+        return 1.0 - lost * 2.0 ** (-max(0.0, now - t) / self.cfg.trust_half_life_s)
+
+    def penalize(self, peer: str, v: Verdict, now: float) -> float:
+        """Lower a clipped or rejected partner's trust; returns its new score."""
+        penalty = {"clip": self.cfg.clip_penalty, "reject": self.cfg.reject_penalty}.get(v.action, 0.0)
+        trust = self.score(peer, now)
+        if penalty:
+            trust *= 1.0 - penalty
+            self._lost[peer] = (1.0 - trust, now)
+        return trust
+
+    def distrusted(self, peer: str, now: float) -> bool:
+        return self.score(peer, now) < self.cfg.busy_below
+
+    def weights(self, peers: Iterable[str], now: float) -> dict[str, float]:
+        return {p: self.score(p, now) for p in peers}
+
+    def forget_recovered(self, now: float) -> None:
+        """Drop peers whose trust is back within 1e-3 of full, so the table does not grow with churn."""
+        for p in list(self._lost):
+            if self.score(p, now) > 1 - 1e-3:
+                self._lost.pop(p, None)

@@ -150,7 +150,7 @@ class FaultConfig(_Section):
                              "deviation to every parameter (a noisy volunteer)")
     send_scale: float = Field(1.0, gt=0, description="multiply every tensor this peer sends in an exchange by "
                               "this (3: a peer that sends its model scaled x3)")
-    nan_at_round: int | None = Field(None, ge=1, description="in this round (once per run directory) turn the "
+    nan_at_round: int | None = Field(None, ge=1, description="in this round (once per process) turn the "
                                      "parameters to NaN after the first inner step, so the training loss turns NaN "
                                      "mid-round")
 

@@ -15,7 +15,13 @@ Events (one JSON object per line, each with "event" and "time" = Unix seconds):
          links the search did not ask or answered busy, swarm.slower_link_ratio), live_peers, detail. With
          outer.overlap the exchange fields describe the previous round's exchange (it ran during this round's
          inner steps): wait_s is how long this round then waited for it, transfer_s is 0; val_loss is the previous
-         round's model with that exchange's mix added (the point a plain round evaluates)
+         round's model with that exchange's mix added (the point a plain round evaluates). The guard's verdict on
+         the partner's tensors (protocol/guard.py; all null when none were judged): guard (accept | clip | reject),
+         guard_tau (the clipping bound, relative to ||y||), clipped_by (the share of the partner's difference cut
+         off, 0 unless clipped), rejected (then outcome is "rejected" and detail names the code), partner_trust
+         (the partner's trust score after this verdict)
+  recovered peer_id, from_round, round (the checkpoint's), reason, checkpoint, val_loss: the loss turned NaN or Inf
+         and the peer went back to its newest finite checkpoint
   resync peer_id, absent_s (how long the process was stopped), joined_from (donor), from_round, round (the
          donor's), val_loss (after the download): a peer back from a long stop took over the swarm's state
   stop   peer_id, round, reason (finished | SIGINT | SIGTERM | startup_failed)

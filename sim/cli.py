@@ -81,6 +81,8 @@ def _opt(*names, **kw):
 @_opt("--num-partners", type=click.IntRange(1, 2), help="Partners per round. [default: 1]")
 @click.option("--bandwidth-weighted/--no-bandwidth-weighted", default=None,
               help="Favour pairs on fast links. [default: off]")
+@click.option("--guard/--no-guard", default=None,
+              help="Robust mixing (guard.enabled): clip or reject far partners, as a live peer does. [default: on]")
 @click.option("--overlap/--no-overlap", default=None,
               help="One-round-delayed mixing: the exchange runs during the next round's inner steps. [default: off]")
 @_opt("--inner-lr", type=float, help="AdamW lr. [default: 1e-3]")
@@ -112,7 +114,7 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
     keys = {"algorithm": "outer.algorithm", "form": "outer.form", "inner_steps": "inner.inner_steps",
             "bandwidth_profile": "clock.profile", "preset": "model.preset", "outer_lr": "outer.outer_lr",
             "momentum": "outer.momentum", "mix_weight": "outer.mix_weight",
-            "mix_momentum": "outer.mix_momentum", "overlap": "outer.overlap",
+            "mix_momentum": "outer.mix_momentum", "overlap": "outer.overlap", "guard": "guard.enabled",
             "inner_lr": "inner.lr",
             "warmup_steps": "inner.warmup_steps", "batch_size": "data.batch_size", "seq_len": "model.seq_len",
             "time_budget_s": "inner.time_budget_s", "val_batches": "data.val_batches",

@@ -228,3 +228,37 @@ def test_config_fingerprint_is_stable_and_sensitive():
     assert config_fingerprint(MODEL, {"tok": "bytes"}) == config_fingerprint(ModelConfig(preset="tiny", seq_len=32),
                                                                           {"tok": "bytes"})
     assert config_fingerprint(MODEL) != config_fingerprint(ModelConfig(preset="tiny", seq_len=64))
+
+
+def test_a_non_finite_state_is_never_written_and_a_non_finite_checkpoint_is_skipped(tmp_path, caplog):
+    """Issue 11: a NaN checkpoint would be resumed on every restart (a crash loop)."""
+    from safetensors.torch import load_file, save_file
+
+    from gasloc.peer.checkpoint import META_FILE, STATE_FILE, CheckpointError, _sha256
+
+    cfg = CheckpointConfig(dir=tmp_path / "ck", keep=5)
+    p = Peer()
+    p.train_round()
+    good = p.save(cfg)
+    p.train_round()
+    with torch.no_grad():
+        next(p.model.parameters())[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match="NaN or Inf"):
+        p.save(cfg)
+    assert sorted(x.name for x in cfg.dir.iterdir()) == [good.name]  # nothing written, no leftover
+    # a checkpoint that holds an Inf anyway (an older gasloc, or edited by hand) is skipped, and the log says why
+    bad = cfg.dir / good.name.replace("-00000001-", "-00000009-")
+    shutil.copytree(good, bad)
+    tensors = load_file(str(bad / STATE_FILE))
+    name = next(iter(tensors))
+    tensors[name] = torch.full_like(tensors[name], float("inf"))
+    save_file(tensors, str(bad / STATE_FILE), metadata={"format": "gasloc-checkpoint"})
+    meta = json.loads((bad / META_FILE).read_text())
+    meta["files"][STATE_FILE] = {"sha256": _sha256(bad / STATE_FILE), "bytes": (bad / STATE_FILE).stat().st_size}
+    (bad / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="NaN or Inf"):
+        read_checkpoint(bad, FP)
+    q = Peer()
+    loaded = q.load(cfg)
+    assert loaded.path == good and loaded.skipped[0][0] == bad and "NaN or Inf" in loaded.skipped[0][1]
+    assert "checkpoint_skipped" in caplog.text

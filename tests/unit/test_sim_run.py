@@ -107,3 +107,31 @@ def test_async_schedule_lets_fast_workers_do_more_rounds():
     fast, slow = r["rounds_per_worker"][:2], r["rounds_per_worker"][2:]
     assert min(fast) > max(slow) and sum(r["rounds_per_worker"]) >= 12
     assert r["evals"][-1]["val_loss_mean"] < r["evals"][0]["val_loss_mean"]
+
+
+@pytest.mark.timeout(240)
+def test_the_guard_leaves_honest_mixing_unchanged_and_rejects_a_poisoned_worker():
+    """Issue 11: guard on vs off on honest workers, equal tokens: the same losses (within 0.5%); with one worker
+    whose outgoing tensors are scaled x3, the guard rejects it and the others' loss stays near the honest run's."""
+    base = {"workers": 4, "rounds": 8, "eval_every": 4, "model.seq_len": 32, "data.batch_size": 2,
+            "data.val_batches": 1, "inner.inner_steps": 4, "inner.warmup_steps": 4, "seed": 3, "topology": "random"}
+    off = run(resolve(SimConfig, flags={**base, "guard.enabled": False}, environ={}))
+    on = run(resolve(SimConfig, flags=base, environ={}))
+    assert on["guard"]["accept"] + on["guard"]["clip"] > 0 and off["guard"] == dict.fromkeys(off["guard"], 0)
+    for a, b in zip(off["evals"], on["evals"], strict=True):
+        assert a["tokens"] == b["tokens"]
+        assert b["val_loss_mean"] == pytest.approx(a["val_loss_mean"], rel=0.005)
+
+    cfg = resolve(SimConfig, flags=base, environ={})
+    t = SimTrainer(cfg)
+    for i in range(4):
+        t.inner(i, 4)
+        t.send(i)
+    t.sent[3] = [3 * x for x in t.sent[3]]  # worker 3 sends its model scaled x3
+    t.mix_round({0: [3], 3: [0], 1: [2], 2: [1]})
+    assert t.guard_counts["reject"] == 1 and t.mixed[0] is t.sent[0]  # worker 0 stayed solo
+    assert all(torch.allclose(a, b) for a, b in zip(t.mixed[1], mix_pair(t.sent[1], t.sent[2])))  # accepted
+
+
+def mix_pair(a, b):
+    return [(x + y) / 2 for x, y in zip(a, b)]

@@ -42,6 +42,10 @@ def _swarm(h, tag: str, fault: str | None) -> tuple[list[float], list[dict], str
         bad = h.run_dir / f"attacker-{tag}.toml"
         bad.write_text(cfg.read_text() + fault)
         configs[f"{tag}-bad"] = bad
+    # the same data streams in every scenario (a peer's seed file, peer/daemon.py worker_seed): what differs
+    # between the clean and the attacked swarm is the attacker, and random partner choice, not which data came first
+    for n in configs:
+        (h.dir(n) / "worker_seed").write_text(f"{n.split('-', 1)[1]}\n")
     # all at once: the attacker is one of the swarm's first members, not a late joiner
     children = {n: h.spawn(n, "peer", "--config", c, "--initial-peers", boot[0], "--host-maddrs", LOOPBACK,
                            "--run-dir", h.dir(n), "--max-rounds", ROUNDS, "--no-checkpoint")

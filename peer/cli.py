@@ -59,4 +59,7 @@ def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, p
     except StartupError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(1)
+    except FloatingPointError as e:  # a NaN loss with no finite checkpoint to recover from (peer/daemon.py _recover)
+        click.echo(f"Error: {e} (no finite checkpoint to go back to)", err=True)
+        sys.exit(1)
     sys.exit(code)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from gasloc.peer.config import PeerConfig
+from gasloc.peer.fault import NoFault, make_fault
 from gasloc.peer.fingerprint import run_fingerprint
 from gasloc.peer.metrics import JsonlSink, MetricsSink, NullSink, peak_memory_mb
 from gasloc.peer.swarm.absence import resync_due
@@ -130,7 +131,7 @@ class Peer:
         # neither the last round's nor the next one's, and shutdown then writes no checkpoint
         self._at_boundary = True
         self._recoveries = 0
-        self._nan_fired = False  # fault.nan_at_round fires once per process
+        self.fault: NoFault = NoFault()
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -194,9 +195,7 @@ class Peer:
         self.tokenizer_name = cfg.data.tokenizer
         self.guard = DistanceHistory(cfg.guard)  # our own recent partner distances (protocol/guard.py)
         self.val_batches = self.data.val_batches()
-        if cfg.fault is not None:
-            log.warning("fault injector on (a TEST setting: this peer is hostile on purpose): %s",
-                        cfg.fault.model_dump())
+        self.fault = make_fault(cfg.fault, self.params)  # tests only (peer/fault.py); a no-op otherwise
 
         self.averaging = self._make_averaging()  # DiLoCo forks its averager here (main thread)
         self._install_signals()  # hivemind's averager start sets SIGINT to SIG_IGN in this process
@@ -410,7 +409,7 @@ class Peer:
         self.outer.apply(self.params, sent)  # as if solo: the mix arrives during the next inner phase
         outer_s = time.monotonic() - t_outer
         if not self.stopping.is_set():
-            background = self.averaging.begin(self._wire(sent), self.round, window_s=phase.compute_s)
+            background = self.averaging.begin(self.fault.wire(sent), self.round, window_s=phase.compute_s)
             self._pending = Pending(sent, background, eval_due)
         self._finish_round()
         self._report(t_start, phase, ex, consensus, outer_s, val_loss)
@@ -431,29 +430,17 @@ class Peer:
         self.data.load_state_dict(start.data_state)
         self.inner_steps_total = start.inner_steps_total
         self._at_boundary = True
+        if self._landed is not None:  # overlap: the previous round's mix landed in this phase and is kept (it moved
+            self._saved_round = min(self._saved_round, self.round - 1)  # the anchor too): the state is unsaved
         log.info("stop cut round %d short after %d of %d inner steps: dropped it, the state is round %d's end",
                  self.round + 1, phase.steps, self.cfg.inner.inner_steps, self.round)
         return True
 
     def _after_step(self, then) -> None:
-        """Between inner steps: the fault injector (tests only), then the caller's hook (overlap's late mix)."""
-        f = self.cfg.fault
-        if f is not None:
-            with torch.no_grad():
-                if f.noise_std > 0:
-                    for p in self.params:
-                        p.add_(torch.randn_like(p), alpha=f.noise_std)
-                if f.nan_at_round == self.round + 1 and not self._nan_fired:
-                    self._nan_fired = True
-                    log.warning("fault: parameters set to NaN in round %d", self.round + 1)
-                    for p in self.params:
-                        p.fill_(float("nan"))
+        """Between inner steps: the fault injector (tests only; a no-op otherwise), then the caller's hook
+        (overlap's late mix)."""
+        self.fault.after_step(self.round + 1)
         then()
-
-    def _wire(self, sent: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What we send a partner: our outgoing tensors on the CPU (the fault injector may scale them)."""
-        scale = self.cfg.fault.send_scale if self.cfg.fault is not None else 1.0
-        return [t.detach().to("cpu") * scale if scale != 1.0 else t.detach().to("cpu") for t in sent]
 
     def _train(self, t_start: float, after_step=lambda: None) -> InnerPhase | None:
         """This round's inner steps; None when a stop came before the first one (nothing to exchange or apply:
@@ -506,7 +493,7 @@ class Peer:
         if self.stopping.is_set():
             ex = RoundExchange(outcome="solo", detail="stopping")
         else:
-            ex = self.averaging.average(self._wire(sent), self.round, self.live_count)
+            ex = self.averaging.average(self.fault.wire(sent), self.round, self.live_count)
         self._note_bandwidth(ex)
         t_outer = time.monotonic()
         mixed, consensus = self._mixed(sent, ex) if ex.ok else (None, None)

@@ -181,7 +181,6 @@ class Peer:
         self._install_signals()  # hivemind's averager start sets SIGINT to SIG_IGN in this process
         self.net.start_services()
         joined_from = self._resume_or_join()
-        self.net.publish_state(self.snapshot())
         self.net.start_state_server()
         # what the exchange carries: the shapes of outer.outgoing (NoLoCo sends two tensors per parameter)
         probe = make_outer(cfg.outer, self.params).outgoing(self.params)
@@ -257,7 +256,7 @@ class Peer:
             log.warning("resync: no state downloaded; mixing our own model back in")
             self._set_state("training")
             return False
-        self.net.publish_state(self.snapshot())
+        self.net.round_boundary(self.snapshot)
         val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
         self.sink.emit("resync", peer_id=self.peer_id, absent_s=absent_s, joined_from=donor, from_round=from_round,
                        round=self.round, val_loss=val_loss)
@@ -361,9 +360,10 @@ class Peer:
         return (self.round + 1) % self.cfg.run.eval_every_rounds == 0 or self.round == 0
 
     def _finish_round(self) -> None:
-        """The round boundary: the count moves on and joiners may download this state."""
+        """The round boundary: the count moves on, and a joiner waiting for our state gets a snapshot of it (taken
+        only then: peer/swarm/network.py)."""
         self.round += 1
-        self.net.publish_state(self.snapshot())
+        self.net.round_boundary(self.snapshot)
 
     def _report(self, t_start: float, phase: InnerPhase, ex: RoundExchange, consensus: float | None,
                 outer_s: float, val_loss: float | None) -> None:
@@ -397,6 +397,7 @@ class Peer:
         # a solo round: mix is the identity, the outer momentum still applies
         mixed, consensus = self._mixed(sent, ex) if ex.ok else (sent, None)
         self.outer.apply(self.params, mixed)
+        self.averaging.recycle(ex)  # mixed in: the next exchange receives into these buffers
         return ex, consensus, time.monotonic() - t_outer
 
     def _mixed(self, sent: list[torch.Tensor], ex: RoundExchange) -> tuple[list[torch.Tensor], float]:
@@ -431,6 +432,7 @@ class Peer:
         if ex.ok:
             mixed, consensus = self._mixed(sent, ex)
             self.outer.late_mix(self.params, sent, mixed)
+            self.averaging.recycle(ex)
         return ex, consensus, self._evaluate_at(self.outer.anchor) if eval_due and evaluate_due else None
 
     def _mix_if_landed(self) -> None:

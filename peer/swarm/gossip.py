@@ -61,11 +61,14 @@ class GossipAveraging:
         rules = SearchRules(partner_deadline_s=sw.partner_deadline_s, retry_interval_s=sw.retry_interval_s,
                             exchange_timeout_s=cfg.exchange.exchange_timeout_s,
                             bandwidth_weighting=sw.bandwidth_weighting, slower_link_ratio=sw.slower_link_ratio,
-                            slower_link_open_share=sw.slower_link_open_share)
+                            slower_link_open_share=sw.slower_link_open_share,
+                            adaptive=sw.adaptive_deadline, adaptive_k=sw.adaptive_deadline_k,
+                            partner_deadline_min_s=min(sw.partner_deadline_min_s, sw.partner_deadline_s))
         # partner choice must differ between peers: the RNG is seeded from the OS
         self.policy = PartnerPolicy(rules, Backoff(sw.min_backoff_s, sw.max_backoff_s, sw.busy_cooldown_s),
                                     avoid_recent=sw.avoid_recent_partners, rng=random.Random())
         self.exchanger: Exchanger | None = None
+        self._search_t0: float | None = None  # start of the plain search in progress (one at a time)
 
     def start(self, specs: list[tuple[tuple[int, ...], torch.dtype]], fingerprint: str) -> None:
         self.exchanger = Exchanger(self.cfg.exchange, self.net.p2p, specs=specs, fingerprint=fingerprint,
@@ -89,6 +92,14 @@ class GossipAveraging:
         pending.cut.set()
         return self._result(pending.future, pending.round)
 
+    def recycle(self, ex: RoundExchange) -> None:
+        """Hand an ok exchange's received tensors back to the Exchanger once they are mixed in, so the next exchange
+        receives into them instead of fresh memory (the caller keeps no reference to them)."""
+        if ex.ok and ex.kind == "pair":
+            tensors, ex.received = ex.received, None
+            # on the loop: the Exchanger's spare buffers are the loop's (an exchange may be starting there)
+            self.net.aio.loop.call_soon_threadsafe(self.exchanger.recycle, tensors)
+
     def _declines(self, peer_id: PeerID) -> str | None:
         """The exchanger asks before accepting a caller: why to answer it busy, or None to accept."""
         peer = str(peer_id)
@@ -104,13 +115,14 @@ class GossipAveraging:
             log.error("round=%d partner search overran its %.0f s limit; solo round", round, limit)
             return RoundExchange(outcome="failed", detail="partner search overran its limit")
 
-    def _sight(self, cut: threading.Event | None) -> Sight:
+    def _sight(self, cut: threading.Event | None, round: int) -> Sight:
         live = self.net.live
         ex = self.exchanger
         return Sight(live=live.keys(), ready={p: r.bandwidth_bps for p, r in self.net.ready_peers().items()},
                      rates={p: ex.rate(p) for p in live}, own_link=self.own_link(),
                      cut=cut is None or cut.is_set(), stopping=self.stopping.is_set(),
-                     engaged_as_responder=(ex.engaged or "").startswith("responder"))
+                     engaged_as_responder=(ex.engaged or "").startswith("responder"),
+                     training={p: r.round for p, r in live.items() if r.state == "training"}, own_round=round)
 
     async def _average(self, sent: list[torch.Tensor], round: int, cut: threading.Event | None = None,
                        window_s: float | None = None) -> RoundExchange:
@@ -118,13 +130,15 @@ class GossipAveraging:
         ex = self.exchanger
         t0 = time.monotonic()
         report = RoundExchange()
+        # the adaptive deadline learns from plain searches only: an overlapped one's wait is hidden by inner steps
+        self._search_t0 = t0 if cut is None else None
         search = self.policy.begin(t0, None if cut is None else window_s)
         ex.offer(sent, round)
         self.set_state("exchanging")  # offer first: whoever sees the announcement may call us at once
         try:
             while not self._take(await ex.wait_incoming(0), report):
                 self.net.request_listing(max_age_s=LISTING_MAX_AGE_S)  # the search never waits on the DHT
-                action = search.next(self._sight(cut), time.monotonic())
+                action = search.next(self._sight(cut, round), time.monotonic())
                 if isinstance(action, Finish):
                     if action.let_finish_s:
                         # a partner is mid-exchange with us: let it finish (bounded by its own deadline) rather
@@ -169,7 +183,8 @@ class GossipAveraging:
         if not res.ok:
             return False
         report.received, report.kind, report.group_size = res.tensors, "pair", 2
-        self.policy.succeeded(res.partner)
+        t0 = self._search_t0
+        self.policy.succeeded(res.partner, None if t0 is None else time.monotonic() - res.seconds - t0)
         return True
 
     def close(self) -> None:

@@ -160,6 +160,8 @@ class Search:
     window_s: float | None
     picky: bool
     passed: set[str] = field(default_factory=set)  # ready peers passed over for being on much slower links
+    gone: set[str] = field(default_factory=set)    # answered that their offer is used or withdrawn: done with
+    #                                                this round (paired or solo); stale listings still show them ready
 
     def __post_init__(self) -> None:
         r = self.policy.rules
@@ -176,8 +178,9 @@ class Search:
 
     def next(self, sight: Sight, now: float) -> Action:
         p, r = self.policy, self.policy.rules
+        coming = sight.coming() - self.gone
         if (now >= self.deadline and (not self.overlapped or sight.cut)) or sight.stopping:
-            if not sight.stopping and r.adaptive and not self.overlapped and sight.coming():
+            if not sight.stopping and r.adaptive and not self.overlapped and coming:
                 # censored sample: someone was coming and did not make it; the estimate must be able to grow back
                 p.waits.append(self.deadline - self.start)
             return Finish("deadline" if not sight.stopping else "stopping",
@@ -185,7 +188,7 @@ class Search:
         if not sight.live:
             return Finish("alone")
         # an overlapped search costs nothing while our inner steps run, so it only gives up at its cut
-        if (r.adaptive and not sight.coming() and not sight.engaged_as_responder
+        if (r.adaptive and not coming and not sight.engaged_as_responder
                 and (not self.overlapped or sight.cut)):
             return Finish("nobody coming")
         p.backoff.forget_absent(sight.live)
@@ -196,7 +199,7 @@ class Search:
                                     ratio=r.slower_link_ratio) if self.picky else set())
         self.passed |= slower & sight.ready.keys()
         # a recent partner is passed over only while someone else we would take may become ready
-        avoid = peers_to_avoid(p.recent, set(others) - slower, now - self.start, self.window_s) | slower
+        avoid = peers_to_avoid(p.recent, set(others) - slower, now - self.start, self.window_s) | slower | self.gone
         if explore:  # only unmeasured peers until one of them is ready or the first half is over
             avoid |= set(others) - explore
         partner = pick_partner(sight.ready, p.backoff, now, p.rng, weighted=r.bandwidth_weighting, avoid=avoid)
@@ -206,10 +209,13 @@ class Search:
         # overlap past the deadline: search on, at the retry pace, until our inner steps end
         return Wait(r.retry_interval_s if self.overlapped and left <= 0 else min(r.retry_interval_s, max(left, 0.0)))
 
-    def called(self, peer: str, outcome: str, now: float, *, local: bool = False) -> float:
+    def called(self, peer: str, outcome: str, now: float, *, local: bool = False, gone: bool = False) -> float:
         """A call of ours did not succeed: record it; returns how long to wait (for an incoming exchange) before the
-        next step. `local`: the BUSY came from our own side (our offer was taken meanwhile)."""
+        next step. `local`: the BUSY came from our own side (our offer was taken meanwhile); `gone`: the partner's
+        BUSY said it has no free offer (it paired or gave up this round: not coming, whatever the listing says)."""
         p = self.policy
+        if gone:
+            self.gone.add(peer)
         if outcome == "busy":
             if not local:
                 p.backoff.busy(peer, now)

@@ -31,7 +31,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from gasloc.peer.swarm.round_report import RoundExchange
-from gasloc.peer.transport.exchange import Exchanger, ExchangeResult, Outcome
+from gasloc.peer.transport.exchange import NO_FREE_OFFER, Exchanger, ExchangeResult, Outcome
 from gasloc.protocol.partners import Backoff
 from gasloc.protocol.search import Call, Finish, PartnerPolicy, SearchRules, Sight, Wait
 
@@ -154,7 +154,8 @@ class GossipAveraging:
                 if self._take(res, report):
                     break
                 pause = search.called(action.peer, res.outcome.value, time.monotonic(),
-                                      local=res.detail.startswith("local"))
+                                      local=res.detail.startswith("local"),
+                                      gone=res.detail == f"partner: {NO_FREE_OFFER}")
                 if res.outcome is not Outcome.busy:
                     log.info("round=%d partner=%s outcome=%s backoff_s=%.1f detail=%s", round, action.peer,
                              res.outcome.value, search.backoff_of(action.peer, time.monotonic()), res.detail)

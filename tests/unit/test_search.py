@@ -262,3 +262,21 @@ def test_odd_swarm_on_a_virtual_clock_adaptive_against_fixed():
 
     assert leftover_wait(RULES) == pytest.approx(4.0)   # idle until a partner is back
     assert leftover_wait(ADAPT) == 0.0
+
+
+def test_a_partner_without_a_free_offer_is_not_coming_whatever_the_stale_listing_says():
+    """The listing (up to ~1 s old) still shows a peer "exchanging" after it paired with someone else; its BUSY
+    "no free offer" tells us it is done with this round: it is neither called again nor waited for."""
+    s = policy(ADAPT).begin(0.0)
+    stale = sight({"a", "b"}, {"a", "b"}, own_round=7)
+    first = s.next(stale, 0.0)
+    assert isinstance(first, Call)
+    s.called(first.peer, "busy", 0.0, gone=True)
+    other = next(iter({"a", "b"} - {first.peer}))
+    assert s.next(stale, 0.6) == Call(other)
+    s.called(other, "busy", 0.6, gone=True)
+    assert s.next(stale, 1.2) == Finish("nobody coming")
+    # engaged elsewhere (or calling us at the same moment) is not gone: it may still become free
+    s = policy(ADAPT).begin(0.0)
+    s.called("a", "busy", 0.0)
+    assert s.next(sight({"a"}, {"a"}, own_round=7), 0.1) == Wait(0.25)

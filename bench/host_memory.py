@@ -80,7 +80,8 @@ def main(preset, rounds, inner_steps, code, run_dir, json_out):
     loopback = "/ip4/127.0.0.1/tcp/0"
     peaks: dict[str, dict[int, float]] = {}
     try:
-        boot = sup.start("boot", gasloc_argv("bootstrap", "--host-maddrs", loopback, "--run-id", "hostmem"),
+        boot = sup.start("boot", gasloc_argv("bootstrap", "--host-maddrs", loopback, "--run-id", "hostmem",
+                                             "--identity-path", str(run_dir / "boot.key")),
                          run_dir / "boot.log", env=env)
         sup.wait_ready(boot, 90)
         names = ["peer-0", "peer-1"]
@@ -119,8 +120,8 @@ def main(preset, rounds, inner_steps, code, run_dir, json_out):
             raise ChildFailed(f"a peer failed; see {run_dir}/peer-*.log")
         outcomes = []
         for n in names:
-            outcomes += [json.loads(line).get("outcome") for line in (run_dir / n / "metrics.jsonl").read_text()
-                         .splitlines() if '"round"' in line]
+            records = [json.loads(line) for line in (run_dir / n / "metrics.jsonl").read_text().splitlines()]
+            outcomes += [r["outcome"] for r in records if r.get("event") == "round"]
     except ChildFailed as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(1)

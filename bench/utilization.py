@@ -136,7 +136,9 @@ def run_swarm(sup, run_dir: Path, config: Path, n: int, mode: str, timeout_s: fl
 
     loopback = "/ip4/127.0.0.1/tcp/0"
     boot = sup.start(f"{mode}-{n}-boot", gasloc_argv("bootstrap", "--host-maddrs", loopback, "--run-id",
-                                                      f"util-{mode}-{n}"), run_dir / f"{mode}-{n}-boot.log")
+                                                      f"util-{mode}-{n}", "--identity-path",
+                                                      str(run_dir / f"{mode}-{n}-boot.key")),
+                     run_dir / f"{mode}-{n}-boot.log")
     sup.wait_ready(boot, 90)
     names = [f"{mode}-{n}-peer-{i}" for i in range(n)]
     for name in names:

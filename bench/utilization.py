@@ -2,17 +2,19 @@
 the same number of bare training loops run side by side in the same invocation.
 
 For each swarm size N (default 3 and 5: odd on purpose, so every round one peer is left without a partner):
-  bare      N processes of the bare inner loop (the peer's model, data, AdamW, batch and torch threads, built from the
-            same peer TOML by the same functions) for rounds x inner_steps steps, all at once: what N peers'
-            inner loops deliver on this machine when nothing else is going on
   fixed     bootstrap + N `gasloc peer` processes for `rounds` rounds, swarm.adaptive_deadline = false: a peer
             without a partner searches the full partner_deadline_s
   adaptive  the same with swarm.adaptive_deadline = true (the default)
+and during each of those runs, side by side with it, N bare inner loops (the peer's model, data, AdamW, batch and
+torch threads, built from the same peer TOML by the same functions), stepping until the swarm is done: what N
+inner loops deliver on this machine at that time (other jobs on a shared machine come and go; running both at
+once gives both the same machine).
 
 Figures per run:
   tokens_per_s   the swarm's inner-loop tokens per second: sum over peers of inner-step tokens / (last round end
-                 - first round start); bare: the sum of the loops' own rates
-  vs_bare        tokens_per_s / the bare loops' tokens_per_s of the same N
+                 - first round start)
+  bare           the bare loops' tokens per second over the same window (steps that ended within it)
+  vs_bare        tokens_per_s / bare
   compute_share  per peer, the seconds of its inner steps / its wall-clock from its first round's start to its last
                  round's end (median and minimum over peers)
   wait_share     per peer, partner-search seconds / wall-clock (median)
@@ -61,10 +63,9 @@ def write_toml(path: Path, *, adaptive: bool, run_id: str, o: dict) -> Path:
     return path
 
 
-def bare_worker(config: Path, steps: int, out: Path, go: Path) -> None:
-    """The inner loop of one peer without the peer: same config, same builders, no network, no outer step. Built
-    and warmed up by one step first, then timed from when `go` appears (every loop's start-up is over by then, so
-    no loop is timed while another one imports torch)."""
+def bare_worker(config: Path, out: Path, stop: Path) -> None:
+    """The inner loop of one peer without the peer: same config, same builders, no network, no outer step. Warmed
+    up by one step, then steps until `stop` appears, writing the wall-clock end time of every step to `out`."""
     import torch
 
     from gasloc.peer.config import PeerConfig
@@ -79,41 +80,38 @@ def bare_worker(config: Path, steps: int, out: Path, go: Path) -> None:
     data, tok = build_data(cfg.data, cfg.model.seq_len, worker_seed=str(out))
     model = build_model(cfg.model, tok.vocab_size, seed=cfg.run.seed)
     opt = make_inner_optimizer(model, cfg.inner)
-    run_inner_phase(model, opt, data.next_batch, 0, cfg.inner.model_copy(update={"inner_steps": 1}))
+    one = cfg.inner.model_copy(update={"inner_steps": 1})
+    run_inner_phase(model, opt, data.next_batch, 0, one)
     out.with_suffix(".ready").touch()
-    deadline = time.monotonic() + 600
-    while not go.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit("bare loop: no go signal within 600 s")
-        time.sleep(0.05)
-    inner = cfg.inner.model_copy(update={"inner_steps": steps})
-    t0 = time.monotonic()
-    done, _ = run_inner_phase(model, opt, data.next_batch, 1, inner)
-    elapsed = time.monotonic() - t0
-    tokens = done * cfg.data.batch_size * cfg.model.seq_len
-    out.write_text(json.dumps({"steps": done, "seconds": elapsed, "tokens_per_s": tokens / elapsed}))
+    ends, deadline = [], time.monotonic() + 7200
+    while not stop.exists() and time.monotonic() < deadline:
+        run_inner_phase(model, opt, data.next_batch, len(ends) + 1, one)
+        ends.append(time.time())
+    out.write_text(json.dumps({"step_ends": ends}))
 
 
-def run_bare(sup, run_dir: Path, config: Path, n: int, steps: int, timeout_s: float) -> dict:
+def start_bare(sup, run_dir: Path, config: Path, tag: str, n: int) -> tuple[list[str], list[Path], Path]:
+    """N bare loops, started and warmed up; they run until the returned stop file is created."""
     from gasloc.runtime.procs import ChildFailed
 
-    outs = [run_dir / f"bare-{n}-{i}.json" for i in range(n)]
-    go = run_dir / f"bare-{n}.go"
-    names = [f"bare-{n}-{i}" for i in range(n)]
+    outs = [run_dir / f"{tag}-bare-{i}.json" for i in range(n)]
+    stop = run_dir / f"{tag}-bare.stop"
+    names = [f"{tag}-bare-{i}" for i in range(n)]
     for name, out in zip(names, outs):
         sup.start(name, [sys.executable, str(Path(__file__).resolve()), "bare-worker", "--config", str(config),
-                         "--steps", str(steps), "--out", str(out), "--go", str(go)], run_dir / f"{name}.log")
+                         "--out", str(out), "--stop", str(stop)], run_dir / f"{name}.log")
     deadline = time.monotonic() + 300
     while not all(o.with_suffix(".ready").exists() for o in outs):
         if time.monotonic() > deadline or any(sup.children[m].poll() is not None for m in names):
-            raise ChildFailed(f"a bare loop did not get ready; see {run_dir}/bare-*.log")
+            raise ChildFailed(f"a bare loop did not get ready; see {run_dir}/{tag}-bare-*.log")
         time.sleep(0.1)
-    go.touch()
-    wait_exit(sup, names, timeout_s)
-    if not all(o.exists() for o in outs):
-        raise ChildFailed(f"a bare loop wrote no result; see {run_dir}/bare-*.log")
-    rates = [json.loads(o.read_text())["tokens_per_s"] for o in outs]
-    return {"mode": "bare", "peers": n, "tokens_per_s": sum(rates), "per_loop_tokens_per_s": rates}
+    return names, outs, stop
+
+
+def bare_rate(outs: list[Path], t0: float, t1: float, tokens_per_step: int) -> float:
+    """The bare loops' tokens/s over the swarm's window [t0, t1] (wall clock)."""
+    steps = sum(sum(t0 <= t <= t1 for t in json.loads(o.read_text())["step_ends"]) for o in outs)
+    return steps * tokens_per_step / (t1 - t0)
 
 
 def wait_exit(sup, names: list[str], timeout_s: float) -> None:
@@ -165,18 +163,17 @@ def run_swarm(sup, run_dir: Path, config: Path, n: int, mode: str, timeout_s: fl
             "compute_share_median": statistics.median(shares), "compute_share_min": min(shares),
             "wait_share_median": statistics.median(p["wait_s"] / (p["end"] - p["start"]) for p in peers),
             "ok_share": sum(p["ok"] for p in peers) / sum(p["rounds"] for p in peers),
-            "min_partners": min(p["partners"] for p in peers), "wall_s": wall}
+            "min_partners": min(p["partners"] for p in peers), "wall_s": wall,
+            "window": [min(p["start"] for p in peers), max(p["end"] for p in peers)]}
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'peers':>5} {'mode':>9} {'tokens/s':>9} {'vs bare':>8} {'compute':>8} {'min':>6} {'wait':>6} "
-            f"{'ok':>5} {'wall s':>7}")
+    head = (f"{'peers':>5} {'mode':>9} {'tokens/s':>9} {'bare':>7} {'vs bare':>8} {'compute':>8} {'min':>6} "
+            f"{'wait':>6} {'ok':>5} {'wall s':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        if r["mode"] == "bare":
-            lines.append(f"{r['peers']:>5} {'bare':>9} {r['tokens_per_s']:>9.0f} {1.0:>8.2f} {1.0:>8.2f}")
-            continue
-        lines.append(f"{r['peers']:>5} {r['mode']:>9} {r['tokens_per_s']:>9.0f} {r['vs_bare']:>8.2f} "
+        lines.append(f"{r['peers']:>5} {r['mode']:>9} {r['tokens_per_s']:>9.0f} {r['bare_tokens_per_s']:>7.0f} "
+                     f"{r['vs_bare']:>8.2f} "
                      f"{r['compute_share_median']:>8.2f} {r['compute_share_min']:>6.2f} "
                      f"{r['wait_share_median']:>6.2f} {r['ok_share']:>5.2f} {r['wall_s']:>7.0f}")
     return "\n".join(lines)
@@ -217,17 +214,20 @@ def main(ctx, peers, rounds, modes, preset, inner_steps, batch_size, seq_len, th
     code = 0
     try:
         for n in sizes:
-            cfgs = {m: write_toml(run_dir / f"{m}-{n}.toml", adaptive=(m == "adaptive"), run_id=f"util-{m}-{n}", o=o)
-                    for m in ("fixed", "adaptive")}
-            bare = run_bare(sup, run_dir, cfgs["fixed"], n, rounds * inner_steps, timeout_s=3600)
-            rows.append(bare)
-            click.echo(f"N={n} bare: {bare['tokens_per_s']:.0f} tokens/s", err=True)
             for m in mode_list:
-                row = run_swarm(sup, run_dir, cfgs[m], n, m, timeout_s=3600,
-                                tokens_per_step=batch_size * seq_len)
-                row["vs_bare"] = row["tokens_per_s"] / bare["tokens_per_s"]
+                cfg = write_toml(run_dir / f"{m}-{n}.toml", adaptive=(m == "adaptive"), run_id=f"util-{m}-{n}", o=o)
+                # the bare loops run during the swarm run, so both see the same machine (other jobs come and go)
+                names, outs, stop = start_bare(sup, run_dir, cfg, f"{m}-{n}", n)
+                try:
+                    row = run_swarm(sup, run_dir, cfg, n, m, timeout_s=3600, tokens_per_step=batch_size * seq_len)
+                finally:
+                    stop.touch()
+                wait_exit(sup, names, 120)
+                row["bare_tokens_per_s"] = bare_rate(outs, *row["window"], batch_size * seq_len)
+                row["vs_bare"] = row["tokens_per_s"] / row["bare_tokens_per_s"]
                 rows.append(row)
-                click.echo(f"N={n} {m}: compute share {row['compute_share_median']:.2f}", err=True)
+                click.echo(f"N={n} {m}: compute share {row['compute_share_median']:.2f}, "
+                           f"vs bare {row['vs_bare']:.2f}", err=True)
     except ChildFailed as e:
         click.echo(f"Error: {e} (logs in {run_dir})", err=True)
         code = 1
@@ -242,11 +242,10 @@ def main(ctx, peers, rounds, modes, preset, inner_steps, batch_size, seq_len, th
 
 @main.command("bare-worker", hidden=True)
 @click.option("--config", type=click.Path(exists=True, path_type=Path), required=True)
-@click.option("--steps", type=int, required=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True)
-@click.option("--go", type=click.Path(path_type=Path), required=True)
-def bare_cmd(config, steps, out, go):
-    bare_worker(config, steps, out, go)
+@click.option("--stop", type=click.Path(path_type=Path), required=True)
+def bare_cmd(config, out, stop):
+    bare_worker(config, out, stop)
 
 
 if __name__ == "__main__":

@@ -94,11 +94,11 @@ class GossipAveraging:
 
     def recycle(self, ex: RoundExchange) -> None:
         """Hand an ok exchange's received tensors back to the Exchanger once they are mixed in, so the next exchange
-        receives into them instead of fresh memory (the caller keeps no reference to them)."""
+        receives into them instead of fresh memory. The caller reads ex.received no more (it stays set: ex.ok and
+        the round's metrics depend on it)."""
         if ex.ok and ex.kind == "pair":
-            tensors, ex.received = ex.received, None
             # on the loop: the Exchanger's spare buffers are the loop's (an exchange may be starting there)
-            self.net.aio.loop.call_soon_threadsafe(self.exchanger.recycle, tensors)
+            self.net.aio.loop.call_soon_threadsafe(self.exchanger.recycle, list(ex.received))
 
     def _declines(self, peer_id: PeerID) -> str | None:
         """The exchanger asks before accepting a caller: why to answer it busy, or None to accept."""

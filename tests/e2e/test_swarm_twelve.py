@@ -31,6 +31,9 @@ def test_twelve_peers_each_exchange_with_three_partners(harness, bootstrap):
         rs = rounds(h, n)
         got = ok_partners(rs)
         assert set(got) <= set(ids.values()) - {ids[n]}, got  # partners are other members, never itself
+        # an ok round reports its transfer (the receive buffers go back to the Exchanger after mixing; the round's
+        # report must still describe the exchange)
+        assert all(r["transfer_s"] > 0 for r in rs if r["outcome"] == "ok"), rs
         wall = rs[-1]["time"] - (rs[0]["time"] - rs[0]["round_s"])
         rows.append((n, len(rs), sum(got.values()), len(got), sum(r["wait_s"] for r in rs) / wall,
                      statistics.median(r["compute_s"] for r in rs)))

@@ -64,6 +64,15 @@ class SwarmConfig(_Section):
                                   "announcement (refreshed every ttl/3); also how long a dead peer stays listed")
     partner_deadline_s: float = Field(10.0, gt=0, description="per round, how long to look for a partner before "
                                       "a solo round")
+    adaptive_deadline: bool = Field(True, description="end a plain round's partner search at median + "
+                                    "adaptive_deadline_k * MAD of how long recent searches waited for their "
+                                    "partner (at most partner_deadline_s, at least partner_deadline_min_s), and at "
+                                    "once when no peer is ready and every training peer announces a round past "
+                                    "ours (nobody is coming); false: always search for partner_deadline_s")
+    adaptive_deadline_k: float = Field(3.0, ge=0, description="adaptive_deadline: how many MADs above the "
+                                       "median wait the deadline lies")
+    partner_deadline_min_s: float = Field(1.0, gt=0, description="adaptive_deadline: the shortest deadline "
+                                          "(listings are up to ~1 s old)")
     retry_interval_s: float = Field(0.25, gt=0, description="pause between partner attempts when nobody is "
                                     "available (incoming requests are accepted meanwhile)")
     min_backoff_s: float = Field(2.0, gt=0, description="first backoff from a partner whose exchange failed")

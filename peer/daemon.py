@@ -201,7 +201,6 @@ class Peer:
         self._install_signals()  # hivemind's averager start sets SIGINT to SIG_IGN in this process
         self.net.start_services()
         joined_from = self._resume_or_join()
-        self.net.publish_state(self.snapshot())
         self.net.start_state_server()
         # what the exchange carries: the shapes of outer.outgoing (NoLoCo sends two tensors per parameter)
         probe = make_outer(cfg.outer, self.params).outgoing(self.params)
@@ -289,7 +288,7 @@ class Peer:
             log.warning("resync: no state downloaded; mixing our own model back in")
             self._set_state("training")
             return False
-        self.net.publish_state(self.snapshot())
+        self.net.round_boundary(self.snapshot)
         val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
         self.sink.emit("resync", peer_id=self.peer_id, absent_s=absent_s, joined_from=donor, from_round=from_round,
                        round=self.round, val_loss=val_loss)
@@ -364,7 +363,7 @@ class Peer:
         self.inner_steps_total = int(loaded.meta.get("inner_steps", 0))
         self.guard.clear()
         self._at_boundary = True
-        self.net.publish_state(self.snapshot())
+        self.net.round_boundary(self.snapshot)
         val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
         log.warning("recover: %s; back to the checkpoint of round %d (was at round %d) val_loss=%.4f", err,
                     loaded.round, from_round, val_loss)
@@ -462,10 +461,11 @@ class Peer:
         return (self.round + 1) % self.cfg.run.eval_every_rounds == 0 or self.round == 0
 
     def _finish_round(self) -> None:
-        """The round boundary: the count moves on and joiners may download this state."""
+        """The round boundary: the count moves on, and a joiner waiting for our state gets a snapshot of it (taken
+        only then: peer/swarm/network.py)."""
         self.round += 1
         self._at_boundary = True
-        self.net.publish_state(self.snapshot())
+        self.net.round_boundary(self.snapshot)
 
     def _report(self, t_start: float, phase: InnerPhase, ex: RoundExchange, consensus: float | None,
                 outer_s: float, val_loss: float | None) -> None:
@@ -499,6 +499,7 @@ class Peer:
         mixed, consensus = self._mixed(sent, ex) if ex.ok else (None, None)
         # a solo round (also when the guard rejected the partner): mix is the identity, the outer momentum applies
         self.outer.apply(self.params, sent if mixed is None else mixed)
+        self.averaging.recycle(ex)  # mixed in: the next exchange receives into these buffers
         return ex, consensus, time.monotonic() - t_outer
 
     def _mixed(self, sent: list[torch.Tensor], ex: RoundExchange) -> tuple[list[torch.Tensor] | None, float]:
@@ -563,6 +564,7 @@ class Peer:
             mixed, consensus = self._mixed(sent, ex)
             if mixed is not None:
                 self.outer.late_mix(self.params, sent, mixed)
+            self.averaging.recycle(ex)
         return ex, consensus, self._evaluate_at(self.outer.anchor) if eval_due and evaluate_due else None
 
     def _mix_if_landed(self) -> None:

@@ -19,6 +19,11 @@ Rules (their reasons are in protocol/partners.py):
 - the search ends at `partner_deadline_s`; an overlapped search (outer.overlap) also not before the cut, the end
   of our next inner phase, and its window is the longer of the two;
 - nobody else live: finish at once (nobody can become ready);
+- adaptive deadline (SearchRules.adaptive): a plain search ends at median + k*MAD of how long recent searches
+  waited for their partner (within [partner_deadline_min_s, partner_deadline_s]; a search that hit its deadline
+  while someone was coming counts as a wait of that deadline, so the estimate grows back when it was too short),
+  and at once when nobody is coming: no peer is ready and every training peer announces a round past ours (it
+  already finished the round we are in and is busy with the next);
 - pick among ready peers not in backoff, passing over our recent partners, and (with slower_link_ratio, in a
   "picky" search) peers on much slower links, for the first half of the window;
 - BUSY from the partner: a short cooldown for it and a random pause for us (two peers that called each other at
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import random
+import statistics
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -64,6 +70,11 @@ class SearchRules:
     bandwidth_weighting: bool = False
     slower_link_ratio: float = 0.0
     slower_link_open_share: float = 0.25
+    adaptive: bool = False                 # the adaptive deadline above; False: every search may use the full one
+    adaptive_k: float = 3.0                # deadline = median + adaptive_k * MAD of recent waits
+    partner_deadline_min_s: float = 1.0    # the adaptive deadline's floor (listings are up to ~1 s old)
+    adaptive_samples: int = 16             # recent waits remembered
+    adaptive_min_samples: int = 3          # fewer than this: the fixed deadline
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,9 @@ class Sight:
     live: compatible peers in the listing; ready: those in state "exchanging" -> the bandwidth that weights them;
     rates: bytes/s of our last exchange with a peer (0 or absent: never); own_link: our link's estimate;
     cut: an overlapped search may end (our next inner phase is over; plain rounds: always True);
-    engaged_as_responder: a partner is mid-exchange with us right now."""
+    engaged_as_responder: a partner is mid-exchange with us right now;
+    training: live peers in state "training" -> the round they announce (a claim: at worst it makes us wait up to
+    the deadline for a peer that is not coming, or go solo a round early); own_round: the round we exchange for."""
     live: Collection[str]
     ready: Mapping[str, float]
     rates: Mapping[str, float] = field(default_factory=dict)
@@ -81,6 +94,14 @@ class Sight:
     cut: bool = True
     stopping: bool = False
     engaged_as_responder: bool = False
+    training: Mapping[str, int] = field(default_factory=dict)
+    own_round: int | None = None
+
+    def coming(self) -> set[str]:
+        """Peers that may still become ready for the round we are in: ready now, or training on a round not past
+        ours (announced rounds are completed rounds; one past ours has left our round boundary behind).
+        own_round None: unknown, every training peer counts."""
+        return set(self.ready) | {q for q, r in self.training.items() if self.own_round is None or r <= self.own_round}
 
 
 class PartnerPolicy:
@@ -90,7 +111,20 @@ class PartnerPolicy:
                  trust: TrustBook | None = None):
         self.rules, self.backoff, self.rng, self.trust = rules, backoff, rng, trust
         self.recent: collections.deque[str] = collections.deque(maxlen=avoid_recent)
+        self.waits: collections.deque[float] = collections.deque(maxlen=rules.adaptive_samples)
         self.search: Search | None = None
+
+    def deadline_s(self) -> float:
+        """How long a plain search may look for a partner: partner_deadline_s, or with rules.adaptive and enough
+        history, median + k*MAD of the recent waits, clamped to [partner_deadline_min_s, partner_deadline_s].
+        Median and MAD rather than mean and deviation: one partner that arrived after 9 s should not set the
+        deadline of every later round."""
+        r = self.rules
+        if not r.adaptive or len(self.waits) < r.adaptive_min_samples:
+            return r.partner_deadline_s
+        med = statistics.median(self.waits)
+        mad = statistics.median(abs(w - med) for w in self.waits)
+        return min(r.partner_deadline_s, max(r.partner_deadline_min_s, med + r.adaptive_k * mad))
 
     def begin(self, now: float, window_s: float | None = None) -> Search:
         """A new round's search. `window_s`: an overlapped search's horizon (how long our next inner phase is
@@ -104,10 +138,14 @@ class PartnerPolicy:
     def end(self) -> None:
         self.search = None
 
-    def succeeded(self, peer: str) -> None:
+    def succeeded(self, peer: str, waited_s: float | None = None) -> None:
+        """An exchange with `peer` succeeded; `waited_s`: how long this round's search looked before it began (a
+        sample for the adaptive deadline; None for an overlapped search, whose wait is hidden by our inner steps)."""
         self.backoff.succeeded(peer)
         if self.recent.maxlen:
             self.recent.append(peer)
+        if waited_s is not None:
+            self.waits.append(max(0.0, waited_s))
 
     def judged(self, peer: str, verdict: Verdict, now: float) -> float:
         """The guard's verdict on a partner's tensors (clip or reject lowers its trust); returns its trust now."""
@@ -136,11 +174,13 @@ class Search:
     window_s: float | None
     picky: bool
     passed: set[str] = field(default_factory=set)  # ready peers passed over for being on much slower links
+    gone: set[str] = field(default_factory=set)    # answered that their offer is used or withdrawn: done with
+    #                                                this round (paired or solo); stale listings still show them ready
 
     def __post_init__(self) -> None:
         r = self.policy.rules
         self.overlapped = self.window_s is not None
-        self.deadline = self.start + r.partner_deadline_s
+        self.deadline = self.start + self.policy.deadline_s()
         # overlap: search until the cut and at least partner_deadline_s; recent partners are avoided for the
         # first half of that longer window
         self.window_s = r.partner_deadline_s if self.window_s is None else max(self.window_s, r.partner_deadline_s)
@@ -152,11 +192,19 @@ class Search:
 
     def next(self, sight: Sight, now: float) -> Action:
         p, r = self.policy, self.policy.rules
+        coming = sight.coming() - self.gone
         if (now >= self.deadline and (not self.overlapped or sight.cut)) or sight.stopping:
+            if not sight.stopping and r.adaptive and not self.overlapped and coming:
+                # censored sample: someone was coming and did not make it; the estimate must be able to grow back
+                p.waits.append(self.deadline - self.start)
             return Finish("deadline" if not sight.stopping else "stopping",
                           r.exchange_timeout_s + 1 if sight.engaged_as_responder else 0.0)
         if not sight.live:
             return Finish("alone")
+        # an overlapped search costs nothing while our inner steps run, so it only gives up at its cut
+        if (r.adaptive and not coming and not sight.engaged_as_responder
+                and (not self.overlapped or sight.cut)):
+            return Finish("nobody coming")
         p.backoff.forget_absent(sight.live)
         others = [q for q in sight.live if not p.backoff.blocked(q, now)]
         rates = {q: sight.rates.get(q, 0.0) for q in others}
@@ -165,7 +213,7 @@ class Search:
                                     ratio=r.slower_link_ratio) if self.picky else set())
         self.passed |= slower & sight.ready.keys()
         # a recent partner is passed over only while someone else we would take may become ready
-        avoid = peers_to_avoid(p.recent, set(others) - slower, now - self.start, self.window_s) | slower
+        avoid = peers_to_avoid(p.recent, set(others) - slower, now - self.start, self.window_s) | slower | self.gone
         if explore:  # only unmeasured peers until one of them is ready or the first half is over
             avoid |= set(others) - explore
         trust = None
@@ -180,10 +228,13 @@ class Search:
         # overlap past the deadline: search on, at the retry pace, until our inner steps end
         return Wait(r.retry_interval_s if self.overlapped and left <= 0 else min(r.retry_interval_s, max(left, 0.0)))
 
-    def called(self, peer: str, outcome: str, now: float, *, local: bool = False) -> float:
+    def called(self, peer: str, outcome: str, now: float, *, local: bool = False, gone: bool = False) -> float:
         """A call of ours did not succeed: record it; returns how long to wait (for an incoming exchange) before the
-        next step. `local`: the BUSY came from our own side (our offer was taken meanwhile)."""
+        next step. `local`: the BUSY came from our own side (our offer was taken meanwhile); `gone`: the partner's
+        BUSY said it has no free offer (it paired or gave up this round: not coming, whatever the listing says)."""
         p = self.policy
+        if gone:
+            self.gone.add(peer)
         if outcome == "busy":
             if not local:
                 p.backoff.busy(peer, now)

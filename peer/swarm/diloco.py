@@ -129,6 +129,10 @@ class DilocoAveraging:
         return RoundExchange(outcome=outcome, kind="mean", exchange_s=now - start, wait_s=start - t0, attempts=1,
                              detail=detail)
 
+    def recycle(self, ex) -> None:
+        """The all-reduce's result is the averager's own fresh tensor, not a buffer we could hand back: nothing to
+        do (the daemon calls this for either algorithm)."""
+
     def close(self) -> None:
         if self.averager.is_alive():
             self.averager.shutdown()

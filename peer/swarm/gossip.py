@@ -31,7 +31,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from gasloc.peer.swarm.round_report import RoundExchange
-from gasloc.peer.transport.exchange import Exchanger, ExchangeResult, Outcome
+from gasloc.peer.transport.exchange import NO_FREE_OFFER, Exchanger, ExchangeResult, Outcome
 from gasloc.protocol.guard import TrustBook
 from gasloc.protocol.partners import Backoff
 from gasloc.protocol.search import Call, Finish, PartnerPolicy, SearchRules, Sight, Wait
@@ -62,13 +62,16 @@ class GossipAveraging:
         rules = SearchRules(partner_deadline_s=sw.partner_deadline_s, retry_interval_s=sw.retry_interval_s,
                             exchange_timeout_s=cfg.exchange.exchange_timeout_s,
                             bandwidth_weighting=sw.bandwidth_weighting, slower_link_ratio=sw.slower_link_ratio,
-                            slower_link_open_share=sw.slower_link_open_share)
+                            slower_link_open_share=sw.slower_link_open_share,
+                            adaptive=sw.adaptive_deadline, adaptive_k=sw.adaptive_deadline_k,
+                            partner_deadline_min_s=min(sw.partner_deadline_min_s, sw.partner_deadline_s))
         # partner choice must differ between peers: the RNG is seeded from the OS
         # trust (guard.enabled): the daemon reports its guard's verdicts (judged), the search and _declines read it
         trust = TrustBook(cfg.guard) if cfg.guard.enabled else None
         self.policy = PartnerPolicy(rules, Backoff(sw.min_backoff_s, sw.max_backoff_s, sw.busy_cooldown_s),
                                     avoid_recent=sw.avoid_recent_partners, rng=random.Random(), trust=trust)
         self.exchanger: Exchanger | None = None
+        self._search_t0: float | None = None  # start of the plain search in progress (one at a time)
 
     def start(self, specs: list[tuple[tuple[int, ...], torch.dtype]], fingerprint: str) -> None:
         self.exchanger = Exchanger(self.cfg.exchange, self.net.p2p, specs=specs, fingerprint=fingerprint,
@@ -92,6 +95,14 @@ class GossipAveraging:
         pending.cut.set()
         return self._result(pending.future, pending.round)
 
+    def recycle(self, ex: RoundExchange) -> None:
+        """Hand an ok exchange's received tensors back to the Exchanger once they are mixed in, so the next exchange
+        receives into them instead of fresh memory. The caller reads ex.received no more (it stays set: ex.ok and
+        the round's metrics depend on it)."""
+        if ex.ok and ex.kind == "pair":
+            # on the loop: the Exchanger's spare buffers are the loop's (an exchange may be starting there)
+            self.net.aio.loop.call_soon_threadsafe(self.exchanger.recycle, list(ex.received))
+
     def _declines(self, peer_id: PeerID) -> str | None:
         """The exchanger asks before accepting a caller: why to answer it busy, or None to accept."""
         peer = str(peer_id)
@@ -109,13 +120,14 @@ class GossipAveraging:
             log.error("round=%d partner search overran its %.0f s limit; solo round", round, limit)
             return RoundExchange(outcome="failed", detail="partner search overran its limit")
 
-    def _sight(self, cut: threading.Event | None) -> Sight:
+    def _sight(self, cut: threading.Event | None, round: int) -> Sight:
         live = self.net.live
         ex = self.exchanger
         return Sight(live=live.keys(), ready={p: r.bandwidth_bps for p, r in self.net.ready_peers().items()},
                      rates={p: ex.rate(p) for p in live}, own_link=self.own_link(),
                      cut=cut is None or cut.is_set(), stopping=self.stopping.is_set(),
-                     engaged_as_responder=(ex.engaged or "").startswith("responder"))
+                     engaged_as_responder=(ex.engaged or "").startswith("responder"),
+                     training={p: r.round for p, r in live.items() if r.state == "training"}, own_round=round)
 
     async def _average(self, sent: list[torch.Tensor], round: int, cut: threading.Event | None = None,
                        window_s: float | None = None) -> RoundExchange:
@@ -123,13 +135,15 @@ class GossipAveraging:
         ex = self.exchanger
         t0 = time.monotonic()
         report = RoundExchange()
+        # the adaptive deadline learns from plain searches only: an overlapped one's wait is hidden by inner steps
+        self._search_t0 = t0 if cut is None else None
         search = self.policy.begin(t0, None if cut is None else window_s)
         ex.offer(sent, round)
         self.set_state("exchanging")  # offer first: whoever sees the announcement may call us at once
         try:
             while not self._take(await ex.wait_incoming(0), report):
                 self.net.request_listing(max_age_s=LISTING_MAX_AGE_S)  # the search never waits on the DHT
-                action = search.next(self._sight(cut), time.monotonic())
+                action = search.next(self._sight(cut, round), time.monotonic())
                 if isinstance(action, Finish):
                     if action.let_finish_s:
                         # a partner is mid-exchange with us: let it finish (bounded by its own deadline) rather
@@ -145,7 +159,8 @@ class GossipAveraging:
                 if self._take(res, report):
                     break
                 pause = search.called(action.peer, res.outcome.value, time.monotonic(),
-                                      local=res.detail.startswith("local"))
+                                      local=res.detail.startswith("local"),
+                                      gone=res.detail == f"partner: {NO_FREE_OFFER}")
                 if res.outcome is not Outcome.busy:
                     log.info("round=%d partner=%s outcome=%s backoff_s=%.1f detail=%s", round, action.peer,
                              res.outcome.value, search.backoff_of(action.peer, time.monotonic()), res.detail)
@@ -174,7 +189,8 @@ class GossipAveraging:
         if not res.ok:
             return False
         report.received, report.kind, report.group_size = res.tensors, "pair", 2
-        self.policy.succeeded(res.partner)
+        t0 = self._search_t0
+        self.policy.succeeded(res.partner, None if t0 is None else time.monotonic() - res.seconds - t0)
         return True
 
     def close(self) -> None:

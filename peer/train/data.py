@@ -58,7 +58,13 @@ class DataConfig(BaseModel):
     shard_index: int | None = Field(None, ge=0, description="this worker's shard (required for hf); unset: a "
                                     "random window stream over all training data, seeded by the worker")
     num_shards: int = Field(1, ge=1, description="how many disjoint shards the training data is cut into (hf: "
-                            "document i belongs to shard i mod num_shards)")
+                            "see hf_shard_by)")
+    hf_shard_by: Literal["auto", "file", "document"] = Field(
+        "auto", description="hf: file: each shard streams only its own files (contiguous runs of the dataset's "
+        "files; needs at least num_shards files), so a peer downloads about 1/num_shards of the data; document: "
+        "every peer reads the whole stream and keeps document i when i mod num_shards == shard_index (any file "
+        "count, but every peer downloads everything); auto: file when the dataset has at least num_shards files, "
+        "else document")
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
@@ -71,7 +77,7 @@ class DataConfig(BaseModel):
                 raise ValueError("source 'hf' needs data.hf_dataset (a hub name, 'json' with paths, or a directory)")
             if self.shard_index is None:
                 raise ValueError("source 'hf' needs data.shard_index (and num_shards): each peer streams its own "
-                                 "disjoint part, document i going to shard i mod num_shards")
+                                 "disjoint part (data.hf_shard_by)")
         return self
 
 

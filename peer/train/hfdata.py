@@ -1,8 +1,15 @@
 """Streaming Hugging Face `datasets` (e.g. FineWeb-Edu) as resumable per-peer token batches.
 
-Sharding: document i of the stream (counted from 0 in every epoch, after the validation documents when there is no
-separate validation split) belongs to shard (i - val_docs) mod num_shards. Every peer reads the whole stream and
-tokenizes only its own documents, so shards are disjoint and the same on every machine, whatever the file layout.
+Sharding (data.hf_shard_by), the same on every machine either way:
+- by file: `IterableDataset.shard(num_shards, shard_index, contiguous=True)` gives each shard a contiguous run of
+  the dataset's files and the peer opens only those, so it downloads about 1/num_shards of the data (FineWeb-Edu's
+  sample-10BT has 14 parquet files of ~2 GB: reading the whole stream to keep 1/64 of it was 64x the traffic).
+  Shards differ in size by up to one file. Without a validation split, the first val_docs documents of the
+  stream lie in shard 0's first file(s) and shard 0 skips them.
+- by document: document i of the stream (counted from 0 in every epoch, after the validation documents when there
+  is no separate validation split) belongs to shard (i - val_docs) mod num_shards. Every peer reads the whole
+  stream and tokenizes only its own documents: any file count works, at num_shards times the download.
+Document indices below count within the stream the peer reads (its files, or the whole stream).
 
 Position: the first document not yet fully consumed (its index, and the `datasets` iterator state just before it)
 plus an offset into its tokens. Resuming loads that iterator state (datasets skips to it within one file), checks that
@@ -63,19 +70,45 @@ class StreamData:
         if cfg.shard_index is None:
             raise ValueError("data.source='hf' needs data.shard_index (and data.num_shards)")
         self.open_stream, self.tok, self.cfg, self.seq_len = open_stream, tokenizer, cfg, seq_len
-        self.skip = 0 if cfg.hf_val_split else cfg.hf_val_docs
+        self.by_file = self._by_file(open_stream(cfg.hf_split))
+        held_out = 0 if cfg.hf_val_split else cfg.hf_val_docs
+        # by file, only shard 0's stream begins with the held-out documents
+        self.skip = held_out if not self.by_file or cfg.shard_index == 0 else 0
         self.batches = 0
         self._val: list[torch.Tensor] | None = None
         self._restart(epoch=0, doc=0, hf_state=None, offset=0)
 
+    def _by_file(self, ds) -> bool:
+        """Whether this run shards by file (see the module docstring); a one-line ValueError when data.hf_shard_by
+        asks for files the dataset does not have."""
+        cfg = self.cfg
+        files = getattr(ds, "num_shards", 1) or 1
+        if cfg.hf_shard_by == "file" and files < cfg.num_shards:
+            raise ValueError(f"data.hf_shard_by='file' needs at least num_shards={cfg.num_shards} files, but "
+                             f"{cfg.hf_dataset!r} streams from {files}: use fewer shards or hf_shard_by='document'")
+        by_file = cfg.hf_shard_by == "file" or (cfg.hf_shard_by == "auto" and files >= cfg.num_shards > 1)
+        if cfg.num_shards > 1 and not by_file:
+            log.warning("data_shard_by=document files=%d num_shards=%d: every peer reads the whole stream and keeps "
+                        "1/%d of it", files, cfg.num_shards, cfg.num_shards)
+        else:
+            log.info("data_shard_by=%s files=%d num_shards=%d", "file" if by_file else "none", files, cfg.num_shards)
+        return by_file
+
+    def _stream(self):
+        """The stream this peer reads: its own files, or the whole split."""
+        ds = self.open_stream(self.cfg.hf_split)
+        if self.by_file:
+            ds = ds.shard(num_shards=self.cfg.num_shards, index=self.cfg.shard_index, contiguous=True)
+        return ds
+
     # ---- the document stream
     def _my_docs(self, epoch: int, doc: int, hf_state: dict | None) -> Iterator[tuple[int, int, dict | None, str]]:
         """(epoch, index, iterator state before it, text) of this shard's documents, from document `doc` on."""
-        ds = self.open_stream(self.cfg.hf_split)
+        ds = self._stream()
         if hf_state is not None:
             ds.load_state_dict(hf_state)
         it, i = iter(ds), doc
-        n, s = self.cfg.num_shards, self.cfg.shard_index
+        n, s = (1, 0) if self.by_file else (self.cfg.num_shards, self.cfg.shard_index)
         while True:
             mine = i >= self.skip and (i - self.skip) % n == s
             before = ds.state_dict() if mine else None
@@ -155,7 +188,7 @@ class StreamData:
             pos = {"epoch": ep, "doc": i, "offset": self._offset, "hf_state": st}
         else:  # nothing read yet: the position the reader was started (or resumed) at
             pos = dict(self._start)
-        return {**pos, "batches": self.batches}
+        return {**pos, "batches": self.batches, "shard_by": "file" if self.by_file else "document"}
 
     def load_state_dict(self, state: dict) -> None:
         try:
@@ -164,6 +197,11 @@ class StreamData:
         except (KeyError, TypeError, ValueError):
             raise ValueError("saved data position is not a streaming ('hf') position: did data.source change?") \
                 from None
+        # positions count documents within the stream read: one of a file shard means nothing in the whole stream
+        saved = state.get("shard_by", "document")
+        if saved != ("file" if self.by_file else "document"):
+            raise ValueError(f"saved data position was taken sharding by {saved}, this run shards by "
+                             f"{'file' if self.by_file else 'document'}: set data.hf_shard_by = {saved!r}")
         self._restart(epoch, doc, hf_state, offset)
         self.batches = batches
 

@@ -57,6 +57,10 @@ from gasloc.protocol.wire import WireError, check_reply, check_request, encode_h
 
 log = logging.getLogger(__name__)
 
+# a responder's BUSY reason when it has no unused offer: it paired or ended its search this round (the partner
+# search takes that as "not coming"; a BUSY while engaged may still end in a free offer)
+NO_FREE_OFFER = "no free offer"
+
 SpecLike = TensorSpec | tuple[Sequence[int], Any]
 
 
@@ -376,7 +380,7 @@ class Exchanger:
             return await self._reply(ch, partner, code, why)
         offer = self._offer
         if offer is None or offer.used or self._engagement is not None:
-            return await self._reply(ch, partner, Code.BUSY, "no free offer" if self._engagement is None
+            return await self._reply(ch, partner, Code.BUSY, NO_FREE_OFFER if self._engagement is None
                                      else "engaged in another exchange")
         why = self.declines(peer_id)
         if why:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +32,11 @@ from gasloc.protocol.wire import WireError, check_state_reply, encode_header
 
 log = logging.getLogger(__name__)
 
-GetState = Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]
+BUSY_RETRY_S = 0.5  # pause before asking donors that answered BUSY again
+
+State = tuple[dict[str, Any], Sequence[torch.Tensor]]
+# a snapshot now, or (the daemon's) a coroutine that waits for the next round boundary; None: not ready, answer BUSY
+GetState = Callable[[], "State | None | Awaitable[State | None]"]
 
 
 class StateTransferConfig(BaseModel):
@@ -123,7 +128,13 @@ class StateServer:
 
     async def _serve(self, ch: Channel, joiner: str) -> None:
         t0 = time.monotonic()
-        metadata, tensors = self.get_state()     # the daemon's function copies under its lock
+        state = self.get_state()
+        if inspect.isawaitable(state):
+            state = await state
+        if state is None:
+            log.info("state_serve joiner=%s outcome=BUSY detail=no snapshot before the round boundary", joiner)
+            return await self._reply(ch, Code.BUSY, "state snapshot is taken at our next round boundary; ask again")
+        metadata, tensors = state
         tensors = [t.detach().contiguous() for t in tensors]
         digest = await in_thread(_payload_digest, tensors)
         specs = tuple(TensorSpec.of(t.shape, t.dtype) for t in tensors)
@@ -195,7 +206,25 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
     want = [s if isinstance(s, TensorSpec) else TensorSpec.of(*s) for s in specs]
     want_outer = None if outer_specs is None else [s if isinstance(s, TensorSpec) else TensorSpec.of(*s)
                                                    for s in outer_specs]
-    failures = []
+    failures: list[str] = []
+    pending = list(donors)
+    while pending:
+        busy = await _try_donors(p2p, pending, namespace, want, want_outer, fingerprint, cfg, failures)
+        if isinstance(busy, tuple):
+            return busy
+        # a BUSY donor serves another joiner or takes our snapshot at its next round boundary: ask it again (the
+        # caller's join_timeout_s bounds the whole download)
+        pending = busy
+        if pending:
+            await asyncio.sleep(BUSY_RETRY_S)
+    raise StateDownloadError("no donor delivered a valid state: " + ("; ".join(failures) or "no donors given"))
+
+
+async def _try_donors(p2p: P2P, donors: Sequence[PeerID], namespace: str, want: list[TensorSpec],
+                      want_outer: list[TensorSpec] | None, fingerprint: str, cfg: StateTransferConfig,
+                      failures: list[str]) -> tuple[dict[str, Any], list[torch.Tensor]] | list[PeerID]:
+    """One pass over the donors: the first verified state, else the donors that answered BUSY."""
+    busy = []
     for donor in donors:
         t0 = time.monotonic()
         try:
@@ -207,9 +236,12 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
             detail = f"{type(e).__name__}: {e}"
             log.info("state_download donor=%s outcome=%s seconds=%.2f detail=%r",
                      donor, code, time.monotonic() - t0, detail)
-            failures.append(f"{donor}: {code} ({detail})")
+            if isinstance(e, WireError) and e.code == Code.BUSY:
+                busy.append(donor)
+            else:
+                failures.append(f"{donor}: {code} ({detail})")
             continue
         log.info("state_download donor=%s outcome=ok round=%s seconds=%.2f",
                  donor, metadata.get('round'), time.monotonic() - t0)
         return metadata, tensors
-    raise StateDownloadError("no donor delivered a valid state: " + ("; ".join(failures) or "no donors given"))
+    return busy

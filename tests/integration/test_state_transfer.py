@@ -119,3 +119,30 @@ def test_corrupt_checksum_nan_and_wrong_fingerprint_rejected():
             for s in servers:
                 await s.stop()
     arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_donor_without_a_snapshot_answers_busy_and_the_joiner_asks_again():
+    """The daemon takes a joiner's snapshot only at its next round boundary (peer/swarm/network.py): a request that
+    comes before it gets BUSY, and the joiner asks that donor again instead of giving up."""
+    async def main():
+        async with p2p_nodes(2) as (donor, joiner):
+            params = state(3)
+            asked = []
+            boundary = asyncio.Event()
+
+            async def get_state():
+                asked.append(time.monotonic())
+                if len(asked) == 1:
+                    return None           # the boundary is not reached within the wait: BUSY
+                await boundary.wait()     # the next request waits for the boundary, which comes
+                return {"round": 4}, [t.clone() for t in params]
+
+            s = StateServer(donor, get_state, FP, NS)
+            await s.start()
+            asyncio.get_running_loop().call_later(0.8, boundary.set)
+            meta, got = await download_state(joiner, [donor.peer_id], SPECS, FP, CFG, NS)
+            assert meta["round"] == 4 and all(torch.equal(x, y) for x, y in zip(got, params))
+            assert len(asked) == 2 and asked[1] - asked[0] >= 0.4  # asked again after the BUSY pause
+            await s.stop()
+    arun(main())

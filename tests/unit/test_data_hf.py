@@ -86,7 +86,8 @@ def test_files_and_embedded_sources_with_hf_tokenizer(tok_dir, jsonl):
 def test_stream_shards_are_disjoint_and_cover_the_training_docs(tok_dir, jsonl):
     seen = []
     for s in range(3):
-        data, tok = build_data(hf_cfg(jsonl, tokenizer=str(tok_dir), shard_index=s, num_shards=3), SEQ)
+        data, tok = build_data(hf_cfg(jsonl, tokenizer=str(tok_dir), shard_index=s, num_shards=3,
+                                      hf_shard_by="document"), SEQ)
         assert isinstance(data, StreamData)
         ids = doc_ids(data, tok, 40)  # more than one epoch of this shard
         first_epoch = ids[: ids.index(ids[0], 1)] if ids.count(ids[0]) > 1 else ids
@@ -96,11 +97,77 @@ def test_stream_shards_are_disjoint_and_cover_the_training_docs(tok_dir, jsonl):
     assert sorted(seen) == list(range(6, N_DOCS))
 
 
+def test_file_shards_read_only_their_files_are_disjoint_and_cover_the_training_docs(tok_dir, jsonl):
+    """3 files, 3 shards: shard s streams file s alone; shard 0 holds out the validation documents 0..5."""
+    seen = []
+    for s in range(3):
+        data, tok = build_data(hf_cfg(jsonl, tokenizer=str(tok_dir), shard_index=s, num_shards=3), SEQ)
+        assert data.by_file  # auto: enough files
+        ids = doc_ids(data, tok, 40)
+        first_epoch = ids[: ids.index(ids[0], 1)] if ids.count(ids[0]) > 1 else ids
+        assert set(first_epoch) == set(range(max(30 * s, 6), 30 * s + 30)), (s, first_epoch)
+        assert first_epoch == sorted(first_epoch)
+        seen += first_epoch
+    assert sorted(seen) == list(range(6, N_DOCS))
+    with pytest.raises(ValueError, match="needs at least num_shards=4 files"):
+        build_data(hf_cfg(jsonl, shard_index=0, num_shards=4, hf_shard_by="file"), SEQ)
+    auto, _ = build_data(hf_cfg(jsonl, shard_index=0, num_shards=4), SEQ)
+    assert not auto.by_file  # too few files: by document
+    a, _ = build_data(hf_cfg(jsonl, shard_index=1, num_shards=2), SEQ)
+    a.next_batch()
+    b, _ = build_data(hf_cfg(jsonl, shard_index=1, num_shards=2, hf_shard_by="document"), SEQ)
+    with pytest.raises(ValueError, match="set data.hf_shard_by = 'file'"):
+        b.load_state_dict(a.state_dict())
+
+
+def _rchar() -> int:
+    """Bytes this process has read through read() calls so far (Linux /proc/self/io)."""
+    for line in open("/proc/self/io"):
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+def test_bytes_read_per_shard_file_against_document(tmp_path):
+    """8 JSONL files of ~200 KB, 4 shards: over one epoch of its shard a peer reads its 2 files by file, and all 8
+    by document. Measured as the process's read() bytes around the epoch."""
+    d = tmp_path / "big"
+    d.mkdir()
+    for f in range(8):
+        (d / f"part{f:02d}.jsonl").write_text("".join(
+            json.dumps({"text": f"<{f}:{i:04d}> " + "lorem ipsum dolor sit amet " * 7}) + "\n" for i in range(1000)))
+    total = sum(p.stat().st_size for p in d.iterdir())
+    read = {}
+    for mode in ("file", "document"):
+        for s in (0, 3):
+            cfg = DataConfig(source="hf", hf_dataset="json", paths=[str(d / "*.jsonl")], batch_size=8,
+                             shard_index=s, num_shards=4, hf_val_docs=6, hf_shard_by=mode)
+            data, _ = build_data(cfg, 511)
+            before = _rchar()
+            data.open_stream("train")  # what reopening the stream for the next epoch reads (not data)
+            reopen = _rchar() - before
+            before = _rchar()
+            while data.state_dict()["epoch"] == 0:
+                data.next_batch()
+            read[mode, s] = _rchar() - before - reopen
+    print({k: round(v / total, 3) for k, v in read.items()}, "of", total, "bytes")
+    one_file = total / 8
+    for s in (0, 3):
+        # by file: its 2 files, the first of them again for the next epoch, and the dataset's first file once more
+        # (datasets' json builder reads it to infer the schema when a stream is opened): 4 files' worth; the rest of
+        # a reopen is subtracted as measured, within a few % of a file
+        assert 2 * one_file <= read["file", s] <= 4.25 * one_file, read
+        assert read["document", s] >= total, read  # the whole stream, and the same restart overhead on top
+        assert read["document", s] - read["file", s] == pytest.approx(6 * one_file, rel=0.05), read
+
+
+@pytest.mark.parametrize("shard_by", ["file", "document"])
 @pytest.mark.parametrize("tokenizer", ["bytes", "hf"])
 @pytest.mark.parametrize("skip_batches", [0, 1, 7, 33])
-def test_stream_resume_equals_uninterrupted(tok_dir, jsonl, tokenizer, skip_batches):
+def test_stream_resume_equals_uninterrupted(tok_dir, jsonl, tokenizer, skip_batches, shard_by):
     spec = str(tok_dir) if tokenizer == "hf" else "bytes"
-    cfg = hf_cfg(jsonl, tokenizer=spec, shard_index=1, num_shards=2)
+    cfg = hf_cfg(jsonl, tokenizer=spec, shard_index=1, num_shards=2, hf_shard_by=shard_by)
     a, _ = build_data(cfg, SEQ)
     for _ in range(skip_batches):
         a.next_batch()

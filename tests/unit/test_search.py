@@ -163,3 +163,120 @@ def test_bandwidth_weighting_prefers_the_faster_announcement():
     p = policy(rules, seed=5, avoid_recent=0)
     picks = [p.begin(0.0).next(Sight(live={"a", "b"}, ready={"a": 9.0, "b": 1.0}), 1.0).peer for _ in range(500)]
     assert 0.85 < picks.count("a") / 500 < 0.95
+
+
+# ---- the adaptive deadline (SearchRules.adaptive)
+ADAPT = SearchRules(partner_deadline_s=10.0, retry_interval_s=0.25, adaptive=True, adaptive_k=3.0,
+                    partner_deadline_min_s=1.0, adaptive_samples=8, adaptive_min_samples=3)
+
+
+def test_adaptive_deadline_is_the_fixed_one_until_it_has_history_then_median_plus_k_mad():
+    p = policy(ADAPT)
+    assert p.deadline_s() == 10.0
+    for w in (2.0, 2.4, 1.6):
+        p.succeeded("b", waited_s=w)
+    # median 2.0, MAD 0.4: 2.0 + 3 * 0.4
+    assert p.deadline_s() == pytest.approx(3.2)
+    s = p.begin(100.0)
+    actions, end = run_until_finish(s, lambda now: sight({"a"}, training={"a": 5}, own_round=5), t0=100.0)
+    assert end == pytest.approx(103.2) and actions[-1] == Finish("deadline")
+
+
+def test_adaptive_deadline_ignores_one_outlier_and_stays_within_its_bounds():
+    p = policy(ADAPT)
+    for w in (0.5, 0.5, 0.6, 0.4, 9.0):  # one partner took 9 s: median and MAD barely move
+        p.succeeded("b", waited_s=w)
+    assert p.deadline_s() == pytest.approx(1.0)  # 0.5 + 3 * 0.1 = 0.8, raised to the 1 s floor
+    q = policy(ADAPT)
+    for w in (1.0, 9.0, 20.0):
+        q.succeeded("b", waited_s=w)
+    assert q.deadline_s() == 10.0  # capped by partner_deadline_s
+    fixed = policy(RULES)
+    for w in (0.5, 0.5, 0.5):
+        fixed.succeeded("b", waited_s=w)
+    assert fixed.deadline_s() == 10.0  # adaptive off: the fixed deadline whatever the history
+
+
+def test_a_deadline_hit_while_someone_was_coming_counts_so_the_estimate_grows_back():
+    p = policy(ADAPT)
+    for w in (0.2, 0.2, 0.2):
+        p.succeeded("b", waited_s=w)
+    assert p.deadline_s() == pytest.approx(1.0)
+    deadlines = []
+    for _ in range(10):  # the swarm slowed down: b now needs 4 s, and keeps missing the short deadline
+        s = p.begin(0.0)
+        _, end = run_until_finish(s, lambda now: sight({"b"}, training={"b": 7}, own_round=7))
+        deadlines.append(end)
+    assert deadlines[0] == pytest.approx(1.0)
+    assert deadlines == sorted(deadlines) and deadlines[-1] >= 4.0
+
+
+def test_nobody_coming_finishes_at_once():
+    """Every other peer already announced a round past ours (they paired and moved on): solo at once."""
+    s = policy(ADAPT).begin(0.0)
+    assert s.next(sight({"a", "b"}, training={"a": 8, "b": 8}, own_round=7), 0.0) == Finish("nobody coming")
+    # one of them still in our round (or behind): it is coming, wait for it
+    s = policy(ADAPT).begin(0.0)
+    assert s.next(sight({"a", "b"}, training={"a": 8, "b": 7}, own_round=7), 0.0) == Wait(0.25)
+    assert s.next(sight({"a", "b"}, training={"a": 8, "b": 3}, own_round=7), 0.0) == Wait(0.25)
+    # a ready peer is coming by definition; a joining peer (neither ready nor training) is not
+    assert policy(ADAPT).begin(0.0).next(sight({"a"}, {"a"}, own_round=7), 0.0) == Call("a")
+    assert policy(ADAPT).begin(0.0).next(sight({"j"}, own_round=7), 0.0) == Finish("nobody coming")
+    # a responder exchange in flight with us is never cut off
+    s = policy(ADAPT).begin(0.0)
+    assert s.next(sight({"a"}, training={"a": 8}, own_round=7, engaged_as_responder=True), 0.0) == Wait(0.25)
+    # adaptive off: the fixed rules wait for the deadline
+    assert policy(RULES).begin(0.0).next(sight({"a"}, training={"a": 8}, own_round=7), 0.0) == Wait(0.25)
+
+
+def test_an_overlapped_search_waits_for_its_cut_even_when_nobody_is_coming_and_learns_nothing():
+    p = policy(ADAPT)
+    s = p.begin(0.0, window_s=5.0)
+    see = dict(training={"a": 9}, own_round=7)
+    assert s.next(sight({"a"}, cut=False, **see), 0.0) == Wait(0.25)  # searching costs nothing before the cut
+    assert s.next(sight({"a"}, cut=True, **see), 0.0) == Finish("nobody coming")
+    s = p.begin(0.0, window_s=5.0)
+    assert s.next(sight({"a"}, cut=True, training={"a": 7}, own_round=7), 12.0) == Finish("deadline")
+    assert len(p.waits) == 0  # overlapped waits are hidden by inner steps: not samples
+
+
+def test_odd_swarm_on_a_virtual_clock_adaptive_against_fixed():
+    """Three peers with equal rounds of 4 s: each round two pair and the third is left over. With the fixed
+    deadline the leftover waits for a partner until one of the others comes back a round later; adaptive, it
+    sees both announce the next round and goes solo at once. Idle seconds per round of the leftover, both ways,
+    from the same policy code."""
+    def leftover_wait(rules: SearchRules) -> float:
+        p = policy(rules)
+        for w in (0.1, 0.2, 0.15):
+            p.succeeded("x", waited_s=w)
+        s = p.begin(0.0)
+        compute_s = 4.0  # a and b exchanged at t=0 and are now training round 8, ready again at t=4
+        see = lambda now: (sight({"a", "b"}, {"a", "b"}, own_round=7) if now >= compute_s
+                           else sight({"a", "b"}, training={"a": 8, "b": 8}, own_round=7))
+        now = 0.0
+        while True:
+            a = s.next(see(now), now)
+            if not isinstance(a, Wait):
+                return now
+            now += a.seconds
+
+    assert leftover_wait(RULES) == pytest.approx(4.0)   # idle until a partner is back
+    assert leftover_wait(ADAPT) == 0.0
+
+
+def test_a_partner_without_a_free_offer_is_not_coming_whatever_the_stale_listing_says():
+    """The listing (up to ~1 s old) still shows a peer "exchanging" after it paired with someone else; its BUSY
+    "no free offer" tells us it is done with this round: it is neither called again nor waited for."""
+    s = policy(ADAPT).begin(0.0)
+    stale = sight({"a", "b"}, {"a", "b"}, own_round=7)
+    first = s.next(stale, 0.0)
+    assert isinstance(first, Call)
+    s.called(first.peer, "busy", 0.0, gone=True)
+    other = next(iter({"a", "b"} - {first.peer}))
+    assert s.next(stale, 0.6) == Call(other)
+    s.called(other, "busy", 0.6, gone=True)
+    assert s.next(stale, 1.2) == Finish("nobody coming")
+    # engaged elsewhere (or calling us at the same moment) is not gone: it may still become free
+    s = policy(ADAPT).begin(0.0)
+    s.called("a", "busy", 0.0)
+    assert s.next(sight({"a"}, {"a"}, own_round=7), 0.1) == Wait(0.25)

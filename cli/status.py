@@ -14,6 +14,7 @@ import threading
 import click
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gasloc.cli.statusview import StatusError
 from gasloc.protocol.messages import check_run_id
 from gasloc.runtime.maddrs import expand_initial_peers
 
@@ -39,10 +40,6 @@ class StatusConfig(BaseModel):
         return expand_initial_peers(v)
 
     _run_id = field_validator("run_id")(check_run_id)
-
-
-class StatusError(RuntimeError):
-    """The DHT could not be reached or did not answer: one line for the user."""
 
 
 class Observer:
@@ -77,10 +74,10 @@ class Observer:
         return snapshot(parse_listing(found, now=now), run_id=self.cfg.run_id, now=now)
 
     def close(self) -> None:
-        from gasloc.runtime.safeproc import remove_own_shm
-
+        # No remove_own_shm() here (unlike the peer): the DHT futures' shared-memory tensors are still alive, and
+        # torch aborts the process (SIGABRT, exit -6) when their destructor finds the file already unlinked.
+        # They are freed, and their files unlinked by torch, as the interpreter exits.
         self.dht.shutdown()
-        remove_own_shm()
 
 
 def run(cfg: StatusConfig, *, as_json: bool, watch: bool) -> int:

@@ -14,6 +14,11 @@ from typing import Any
 
 from gasloc.peer.swarm.membership import PeerRecord, status_view
 
+
+class StatusError(RuntimeError):
+    """The DHT could not be reached or did not answer: one line for the user."""
+
+
 CLAIMED = ("round", "state", "loss", "val_loss", "tokens_per_s", "bandwidth_bps", "round_s", "partners", "version")
 
 

@@ -16,12 +16,8 @@ import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from typing import TYPE_CHECKING
 
-from gasloc.cli.statusview import History
-
-if TYPE_CHECKING:
-    from gasloc.cli.status import Observer, StatusConfig
+from gasloc.cli.statusview import History, StatusError
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +68,8 @@ def make_server(host: str, port: int, state: State) -> ThreadingHTTPServer:
     return server
 
 
-def serve(cfg: StatusConfig, obs: Observer, stop: threading.Event) -> int:
-    from gasloc.cli.status import StatusError
+def serve(cfg, obs, stop: threading.Event) -> int:
+    """Serve until `stop`: cfg is gasloc.cli.status.StatusConfig, obs its Observer (the DHT reader)."""
     from gasloc.runtime.procs import emit_ready
 
     state, history = State(), History(edge_window_s=cfg.edge_window_s)

@@ -4,6 +4,7 @@ and its JSON, rendered in headless Chromium."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -113,8 +114,8 @@ def test_metrics_status_and_live_page_of_a_four_peer_swarm(harness, bootstrap, t
     page = h.start("page", "status", "--initial-peers", bootstrap[0], "--run-id", RUN_ID, "--serve", "0",
                    "--interval", "1")
     base = page.ready["url"]
-    h.wait_until(lambda: json.loads(get(base + "api/swarm")[1])["history"]["edges"], 90,
-                 "an exchange edge on the page", alive=tuple(names) + ("page",))
+    h.wait_until(lambda: len(json.loads(get(base + "api/swarm")[1])["history"]["edges"]) >= 2, 90,
+                 "two exchange edges on the page", alive=tuple(names) + ("page",))
     code, body = get(base + "api/swarm")
     data = json.loads(body)
     assert code == 200 and data["error"] is None, data
@@ -136,3 +137,8 @@ def test_metrics_status_and_live_page_of_a_four_peer_swarm(harness, bootstrap, t
     for n in names:  # the table rendered by the page's script shows every peer
         assert f'data-peer="{ids[n]}"' in dom.stdout, (n, dom.stdout[-3000:])
     assert "4 peers" in dom.stdout
+    shot = os.environ.get("GASLOC_TEST_SCREENSHOT")  # how docs/img/status-page.png is made
+    if shot:
+        subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium'}", "--hide-scrollbars",
+                        "--window-size=1000,720", "--virtual-time-budget=5000", f"--screenshot={shot}", base],
+                       capture_output=True, timeout=120, check=True)

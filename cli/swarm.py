@@ -124,20 +124,19 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
             view.peer_id, view.status = ready["peer_id"], "running"
         all_ready = True
         console.print(f"{cfg.peers} peers ready in {time.time() - t0:.1f} s; logs and metrics in {run_dir}")
-        if cfg.status_port is not None:
-            page = sup.start("status", gasloc_argv(
-                "status", "--initial-peers", boot.maddrs[0], "--run-id", cfg.run_id, "--serve",
-                str(cfg.status_port)), run_dir / "status.log", env=bootstrap_env())
-            ready = sup.wait_ready(page, 60, cancel=stop)
-            if ready is None:
-                return 130
-            console.print(f"live status page: {ready['url']}")
+        # the page is an extra: the swarm neither waits for it nor fails with it (its address is printed once it
+        # serves its first listing)
+        page = sup.start("status", gasloc_argv(
+            "status", "--initial-peers", boot.maddrs[0], "--run-id", cfg.run_id, "--serve", str(cfg.status_port)),
+            run_dir / "status.log", env=bootstrap_env()) if cfg.status_port is not None else None
 
         t0 = time.time()  # the table's clock starts when training does
         end = time.monotonic() + cfg.duration_s if cfg.duration_s else None
         last_line = 0.0
         with Live(live_table(views, 0, title), console=console, refresh_per_second=2, transient=False) as live:
             while not stop.is_set() and (end is None or time.monotonic() < end):
+                if page is not None and _page_address(page, console):
+                    page = None
                 _refresh(views, tails, sup)
                 live.update(live_table(views, time.time() - t0, title))
                 if not console.is_terminal and time.monotonic() - last_line > 10:  # a log, not a screen
@@ -180,6 +179,26 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
         console.print(f"[red]failed:[/red] {', '.join(sorted(set(failed)))} (see their logs in {run_dir})")
         return 1
     return 0 if all_ready or signals.first_at is None else 130
+
+
+def _page_address(page, console) -> bool:
+    """Print the status page's address once it is up (or say it is not coming); True when there is nothing more to
+    wait for."""
+    from gasloc.runtime.procs import parse_ready
+
+    try:
+        lines = page.stdout_path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        ready = parse_ready(line)
+        if ready is not None:
+            console.print(f"live status page: {ready['url']}")
+            return True
+    if page.poll() is not None:
+        console.print(f"[yellow]the status page exited ({page.poll()}); see {page.log_path}[/yellow]")
+        return True
+    return False
 
 
 def _refresh(views, tails, sup) -> None:

@@ -102,7 +102,7 @@ def run(cfg: BootstrapConfig) -> int:
     from hivemind.p2p import P2PDaemonError
 
     from gasloc.peer.swarm.membership import make_validators
-    from gasloc.runtime.safeproc import SafeDHT, remove_own_shm
+    from gasloc.runtime.safeproc import SafeDHT
 
     _, validators = make_validators(cfg.run_id)
     try:
@@ -135,7 +135,9 @@ def run(cfg: BootstrapConfig) -> int:
     finally:
         dht.shutdown()
         dht.join(5)
-        remove_own_shm()
+        # no remove_own_shm() here: the swarm-size listings' shared-memory tensors are still alive, and torch aborts
+        # the process (SIGABRT, exit -6, seen in bench/soak.py runs) when their destructor finds the file unlinked;
+        # torch unlinks them itself as the interpreter exits
         os.close(lock_fd)
     log.info("stopped peer_id=%s", peer_id)
     return EXIT_OK

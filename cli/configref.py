@@ -18,6 +18,7 @@ CONFIGS = {
     "export": "gasloc.peer.train.export:ExportConfig",
     "tokenize": "gasloc.peer.train.tokenize_cli:TokenizeConfig",
     "swarm": "gasloc.cli.swarm:SwarmRunConfig",
+    "status": "gasloc.cli.status:StatusConfig",
     "doctor": "gasloc.cli.doctor:DoctorConfig",
 }
 

@@ -14,6 +14,7 @@ COMMANDS = {
     "peer": "gasloc.peer.cli:peer",
     "bootstrap": "gasloc.bootstrap.cli:bootstrap",
     "swarm": "gasloc.cli.swarm:swarm",
+    "status": "gasloc.cli.status:status",
     "sim": "gasloc.sim.cli:sim",
     "doctor": "gasloc.cli.doctor:doctor",
     "export": "gasloc.peer.train.export:export",

@@ -3,7 +3,7 @@ embedded corpus by default, one data shard per peer), a live table fed by each p
 a summary, summary.json and swarm.png (loss against time per peer). Nothing is left running afterwards.
 
 Run dir: bootstrap.maddrs, bootstrap.log, bootstrap.key, peer-<i>/{metrics.jsonl, peer.log, ...}, swarm.png,
-summary.json. Exit code: 0, or 1 if a peer failed to start, crashed or did not stop cleanly (2: bad options).
+summary.json, status.log (the live status page, `gasloc status --serve`, whose address is printed). Exit code: 0, or 1 if a peer failed to start, crashed or did not stop cleanly (2: bad options).
 """
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ class SwarmRunConfig(BaseModel):
     ready_timeout_s: float = Field(180.0, gt=0, description="how long a peer may take to print READY")
     stop_grace_s: float = Field(30.0, gt=0, description="after SIGTERM, how long a peer may take to exit")
     refresh_s: float = Field(1.0, gt=0, description="table refresh period")
+    status_port: int | None = Field(0, ge=0, le=65535, description="serve the swarm's live status page "
+                                    "(gasloc status --serve) on this port of 127.0.0.1 (0: any free port; the "
+                                    "address is printed); unset (null): no page")
 
     @field_validator("peer_config")
     @classmethod
@@ -121,12 +124,19 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
             view.peer_id, view.status = ready["peer_id"], "running"
         all_ready = True
         console.print(f"{cfg.peers} peers ready in {time.time() - t0:.1f} s; logs and metrics in {run_dir}")
+        # the page is an extra: the swarm neither waits for it nor fails with it (its address is printed once it
+        # serves its first listing)
+        page = sup.start("status", gasloc_argv(
+            "status", "--initial-peers", boot.maddrs[0], "--run-id", cfg.run_id, "--serve", str(cfg.status_port)),
+            run_dir / "status.log", env=bootstrap_env()) if cfg.status_port is not None else None
 
         t0 = time.time()  # the table's clock starts when training does
         end = time.monotonic() + cfg.duration_s if cfg.duration_s else None
         last_line = 0.0
         with Live(live_table(views, 0, title), console=console, refresh_per_second=2, transient=False) as live:
             while not stop.is_set() and (end is None or time.monotonic() < end):
+                if page is not None and _page_address(page, console):
+                    page = None
                 _refresh(views, tails, sup)
                 live.update(live_table(views, time.time() - t0, title))
                 if not console.is_terminal and time.monotonic() - last_line > 10:  # a log, not a screen
@@ -143,6 +153,8 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
     finally:
         console.print("stopping...")
         codes = sup.stop_all(cfg.stop_grace_s, names=[n for n in names if n in sup.children])
+        if "status" in sup.children:
+            sup.stop("status", cfg.stop_grace_s)
         boot_code = sup.stop("bootstrap", cfg.stop_grace_s) if "bootstrap" in sup.children else 0
         left = sup.cleanup()
     for v in views:
@@ -169,6 +181,26 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
     return 0 if all_ready or signals.first_at is None else 130
 
 
+def _page_address(page, console) -> bool:
+    """Print the status page's address once it is up (or say it is not coming); True when there is nothing more to
+    wait for."""
+    from gasloc.runtime.procs import parse_ready
+
+    try:
+        lines = page.stdout_path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        ready = parse_ready(line)
+        if ready is not None:
+            console.print(f"live status page: {ready['url']}")
+            return True
+    if page.poll() is not None:
+        console.print(f"[yellow]the status page exited ({page.poll()}); see {page.log_path}[/yellow]")
+        return True
+    return False
+
+
 def _refresh(views, tails, sup) -> None:
     for view, tail in zip(views, tails):
         for rec in tail.read():
@@ -189,6 +221,7 @@ def _refresh(views, tails, sup) -> None:
 @click.option("--run-id", help="run id of the swarm [swarm]")
 @click.option("--algorithm", type=click.Choice(["gasloc", "gossip", "diloco"]), help="outer update [gasloc]")
 @click.option("--peer-config", type=click.Path(dir_okay=False), help="TOML config for every peer")
+@click.option("--status-port", type=int, help="port of the live status page on 127.0.0.1 (0: any free) [0]")
 @click.argument("peer_args", nargs=-1, type=click.UNPROCESSED)
 def swarm(config_file, print_config, peer_args, **flags) -> None:
     """Start a bootstrap and N peers on loopback, show a live table, then a summary and swarm.png.

@@ -25,9 +25,11 @@ import click
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="training device [auto]")
 @click.option("--max-rounds", type=int, help="stop after this many outer rounds [run until stopped]")
 @click.option("--max-seconds", type=float, help="stop after this many seconds of training")
+@click.option("--metrics-port", type=int, help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: any "
+              "free port) [off]")
 @click.option("--no-checkpoint", is_flag=True, help="neither write checkpoints nor resume from them")
 def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, port, host_maddrs, announce_maddrs,
-         identity_path, device, max_rounds, max_seconds, no_checkpoint) -> None:
+         identity_path, device, max_rounds, max_seconds, metrics_port, no_checkpoint) -> None:
     """Join a training swarm (or start one) and train until Ctrl+C or SIGTERM."""
     from gasloc.peer.config import PeerConfig
     from gasloc.runtime.config import ConfigError, dump_toml, resolve
@@ -36,7 +38,7 @@ def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, p
         "network.initial_peers": initial_peers, "swarm.run_id": run_id, "run.run_dir": run_dir,
         "outer.algorithm": algorithm, "network.port": port, "network.host_maddrs": host_maddrs,
         "network.announce_maddrs": announce_maddrs, "network.identity_path": identity_path, "run.device": device,
-        "run.max_rounds": max_rounds, "run.max_seconds": max_seconds,
+        "run.max_rounds": max_rounds, "run.max_seconds": max_seconds, "metrics.port": metrics_port,
     }
     try:
         cfg = resolve(PeerConfig, config_file, flags)

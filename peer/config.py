@@ -1,8 +1,8 @@
 """`gasloc peer`'s configuration: one pydantic tree, resolved as defaults < TOML < GASLOC_* env < flags
 (gasloc.runtime.config.resolve). Hyperparameters live in the sections of the components they configure (model, data,
 inner, outer, exchange, state_transfer, checkpoint); the peer's own sections are network (where it listens and
-whom it dials), swarm (membership, partner choice, joining), diloco (the all-reduce baseline) and run
-(directories, limits, device).
+whom it dials), swarm (membership, partner choice, joining), diloco (the all-reduce baseline), run
+(directories, limits, device) and metrics (Prometheus endpoints).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gasloc.peer.checkpoint import CheckpointConfig
+from gasloc.peer.prometheus import MetricsConfig
 from gasloc.peer.train.data import DataConfig
 from gasloc.peer.train.inner import InnerConfig
 from gasloc.peer.train.model import ModelConfig
@@ -183,6 +184,7 @@ class PeerConfig(_Section):
     swarm: SwarmConfig = Field(default_factory=SwarmConfig)
     diloco: DilocoConfig = Field(default_factory=DilocoConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _communicating(self) -> PeerConfig:

@@ -109,6 +109,7 @@ class Pending:
 class Peer:
     def __init__(self, cfg: PeerConfig, sink: MetricsSink | None = None):
         self.cfg = cfg
+        self.metrics_url: str | None = None  # the Prometheus endpoint, when metrics.port is set
         self.stopping = threading.Event()
         self.stop_reason = "finished"
         self._signals = StopSignals()
@@ -125,6 +126,10 @@ class Peer:
         self._lock_file = None
         self._saved_round = 0
         self._round_s: deque[float] = deque(maxlen=10)  # recent round durations: the yardstick for an absence
+        # what our DHT record tells status views (gasloc status): last losses and recent partners
+        self._last_loss: float | None = None
+        self._last_val_loss: float | None = None
+        self._partners: deque[str] = deque(maxlen=4)
         self._pending: Pending | None = None  # outer.overlap: the previous round's exchange in the background
         self._landed: tuple[RoundExchange, float | None, float | None] | None = None  # ... once mixed in
         # False from a round's first inner step to its boundary: an exception in between leaves a state that is
@@ -170,7 +175,7 @@ class Peer:
         cfg = self.cfg
         self.run_dir = cfg.run_dir
         self._lock_file = lock_run_dir(self.run_dir)
-        self.sink = self._sink_override or JsonlSink(self.run_dir / "metrics.jsonl")
+        self.sink = self._sink_override or self._make_sink()
         self.device = pick_device(cfg.run.device)
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
@@ -182,7 +187,7 @@ class Peer:
 
         # The DHT child is forked from the main thread (its death signal is tied to this thread), before the model
         # exists: a small fork.
-        self.net = Network(cfg, status=self._status)
+        self.net = Network(cfg, status=self._status, emit=self.sink.emit)
         self.net.start_dht()
         self.peer_id = self.net.peer_id
 
@@ -212,10 +217,26 @@ class Peer:
         n_params = sum(p.numel() for p in self.params)
         self.sink.emit("start", peer_id=self.peer_id, fingerprint=self.fingerprint,
                        algorithm=cfg.outer.algorithm, initial_loss=initial_loss, joined_from=joined_from,
-                       round=self.round, num_params=n_params, device=str(self.device), maddrs=self.net.maddrs)
+                       round=self.round, num_params=n_params, device=str(self.device), maddrs=self.net.maddrs,
+                       metrics_url=self.metrics_url)
         log.info("ready peer_id=%s round=%d initial_loss=%.4f joined_from=%s device=%s params=%d", self.peer_id,
                  self.round, initial_loss, joined_from, self.device, n_params)
         emit_ready("peer", self.peer_id, self.net.maddrs)
+
+    def _make_sink(self) -> MetricsSink:
+        """metrics.jsonl, and with metrics.port the Prometheus endpoint: the same events feed both."""
+        jsonl = JsonlSink(self.run_dir / "metrics.jsonl")
+        if self.cfg.metrics.port is None:
+            return jsonl
+        from gasloc.peer.prometheus import PrometheusSink, TeeSink
+        try:
+            prom = PrometheusSink(self.cfg.metrics)
+        except OSError as e:
+            jsonl.close()
+            raise StartupError(f"metrics.port {self.cfg.metrics.port} on {self.cfg.metrics.host}: {e.strerror or e}"
+                               ) from None
+        self.metrics_url = prom.url
+        return TeeSink(jsonl, prom)
 
     def _make_averaging(self):
         if self.cfg.outer.algorithm == "diloco":
@@ -319,6 +340,7 @@ class Peer:
             log.error("checkpoint round=%d refused: %s", self.round, e)
             return
         log.info("checkpoint round=%d path=%s", self.round, path)
+        self.sink.emit("checkpoint", round=self.round, path=str(path))
         self._saved_round = self.round
 
     def _main_loop(self) -> None:
@@ -473,6 +495,11 @@ class Peer:
         round_s = time.monotonic() - t_start
         self._round_s.append(round_s)
         outcome = ex.outcome if ex.ok or ex.attempts else "solo"
+        self._last_loss = float(phase.loss)
+        if val_loss is not None:
+            self._last_val_loss = float(val_loss)
+        if ex.ok and ex.kind == "pair" and ex.partner:
+            self._partners.append(ex.partner)
         self.sink.emit(
             "round", peer_id=self.peer_id, round=self.round, inner_steps=phase.steps,
             total_inner_steps=self.inner_steps_total, loss=phase.loss, val_loss=val_loss, outcome=outcome,
@@ -481,7 +508,7 @@ class Peer:
             consensus=consensus, compute_s=phase.compute_s, wait_s=ex.wait_s, transfer_s=ex.transfer_s,
             outer_s=outer_s, round_s=round_s, tokens_per_s=self.throughput_tps,
             peak_mem_mb=peak_memory_mb(self.device), attempts=ex.attempts, passed_over=ex.passed_over,
-            live_peers=self.live_count(), detail=ex.detail or None, **_guard_fields(ex.guard))
+            live_peers=self.live_count(), detail=ex.detail or None, code=ex.code, **_guard_fields(ex.guard))
         log.info("round=%d loss=%.4f%s partner=%s outcome=%s MB=%.2f s=%.2f exchange_s=%.2f", self.round, phase.loss,
                  f" val_loss={val_loss:.4f}" if val_loss is not None else "", _short(ex.partner), outcome,
                  (ex.bytes_sent + ex.bytes_received) / 1e6, round_s, ex.exchange_s)
@@ -599,7 +626,9 @@ class Peer:
                 self.net.announce(wait=wait)
 
     def _status(self) -> PeerStatus:
-        return PeerStatus(self.state, self.round, self.throughput_tps, self.bandwidth_bps)
+        view = {"loss": self._last_loss, "val_loss": self._last_val_loss, "partners": list(self._partners),
+                "round_s": sum(self._round_s) / len(self._round_s) if self._round_s else None}
+        return PeerStatus(self.state, self.round, self.throughput_tps, self.bandwidth_bps, view)
 
     def snapshot(self) -> tuple[dict, list[torch.Tensor]]:
         """A copy of what a joiner downloads, taken at a round boundary (params == the outer anchor), on the CPU:

@@ -24,7 +24,12 @@ Events (one JSON object per line, each with "event" and "time" = Unix seconds):
          and the peer went back to its newest finite checkpoint
   resync peer_id, absent_s (how long the process was stopped), joined_from (donor), from_round, round (the
          donor's), val_loss (after the download): a peer back from a long stop took over the swarm's state
+  checkpoint  round, path: a checkpoint was written
+  state_served  joiner, outcome (the joiner's verdict: OK or a status code name), bytes, seconds: this peer
+         served its state to a joining peer
   stop   peer_id, round, reason (finished | SIGINT | SIGTERM | startup_failed)
+The round event also carries code: the status code name of a rejected exchange (null otherwise).
+Prometheus (peer/prometheus.py) reads the same events.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import json
 import math
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,11 +72,13 @@ class JsonlSink:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._f = path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()  # events come from the training thread and the event loop (joins served)
 
     def emit(self, event: str, **fields: Any) -> None:
         rec = {"event": event, "time": time.time(), **{k: _jsonable(v) for k, v in fields.items()}}
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        with self._lock:
+            self._f.write(json.dumps(rec) + "\n")
+            self._f.flush()
 
     def close(self) -> None:
         self._f.close()

@@ -32,9 +32,10 @@ PR_SET_PDEATHSIG = 1
 
 
 # ----------------------------------------------------------------------------------------------- READY line
-def emit_ready(role: str, peer_id: str, maddrs: list[str]) -> None:
-    """Print the one stdout line that says a long-running command is up (the contract with supervisors)."""
-    line = json.dumps({"role": role, "peer_id": peer_id, "maddrs": list(maddrs), "pid": os.getpid()})
+def emit_ready(role: str, peer_id: str, maddrs: list[str], **extra: Any) -> None:
+    """Print the one stdout line that says a long-running command is up (the contract with supervisors); `extra`
+    adds role-specific keys (gasloc status --serve: its url)."""
+    line = json.dumps({"role": role, "peer_id": peer_id, "maddrs": list(maddrs), "pid": os.getpid(), **extra})
     sys.stdout.write(READY_PREFIX + line + "\n")
     sys.stdout.flush()
 

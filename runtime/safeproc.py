@@ -70,3 +70,28 @@ class DiesWithParent:
 
 class SafeDHT(DiesWithParent, hivemind.DHT):
     """hivemind.DHT whose background process is killed with the peer."""
+
+    def __init__(self, *args, p2pd_flags: dict[str, str] | None = None, **kwargs):
+        self._p2pd_flags = dict(p2pd_flags or {})
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        if self._p2pd_flags:
+            add_p2pd_flags(self._p2pd_flags)
+        super().run()
+
+
+def add_p2pd_flags(flags: dict[str, str]) -> None:
+    """Pass extra command-line flags (e.g. -metricsAddr) to every p2pd this process starts from now on.
+
+    hivemind's P2P.create has a fixed set of parameters and builds p2pd's argv in P2P._make_process_args, so the
+    only way in is to wrap that function. Called in the forked DHT child only (SafeDHT.run), the wrap never touches
+    the peer's own process (docs/hivemind.md §7)."""
+    from hivemind.p2p import P2P
+
+    original = P2P._make_process_args
+
+    def with_flags(*args, **kwargs):
+        return original(*args, **kwargs, **flags)
+
+    P2P._make_process_args = staticmethod(with_flags)

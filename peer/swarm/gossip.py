@@ -183,6 +183,7 @@ class GossipAveraging:
             return False
         report.attempts += 1
         report.partner, report.outcome, report.detail = res.partner, res.outcome.value, res.detail
+        report.code = res.code.name if res.code is not None and not res.ok else None
         report.bytes_sent += res.bytes_sent
         report.bytes_received += res.bytes_received
         report.exchange_s = res.seconds

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+from typing import Any
 
 import pydantic.v1 as pv1
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
+
+from gasloc import __version__
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,9 @@ class PeerRecord(pv1.BaseModel):
     throughput_tps: pv1.StrictFloat             # training tokens per second over the last inner phase
     bandwidth_bps: pv1.StrictFloat              # measured exchange bandwidth, bytes/s (0.0: not measured yet)
     time: pv1.StrictFloat                       # DHT (wall clock) time of this announcement
+    # A record may also carry `view` (StatusView as a dict), for status views only. It is an extra field, not a
+    # declared one: hivemind's schema check compares the parsed record, defaults included, with the stored value, so a
+    # declared field with a default would make records of peers without it fail that check.
 
     class Config:
         # petals-style rolling upgrades: a newer peer may add fields; older peers must still accept its record
@@ -47,6 +54,34 @@ class PeerRecord(pv1.BaseModel):
         if v not in PEER_STATES:
             raise ValueError(f"unknown peer state {v!r}")
         return v
+
+
+class StatusView(pv1.BaseModel):
+    """What a record tells status views (gasloc status) beyond what partner choice needs. All of it is the peer's
+    own claim, like its round and throughput; nothing in the protocol relies on it."""
+    loss: pv1.StrictFloat | None = None         # mean training loss of its last inner phase
+    val_loss: pv1.StrictFloat | None = None     # its last validation loss
+    round_s: pv1.StrictFloat | None = None      # mean wall time of its recent rounds
+    partners: list[pv1.StrictStr] = []          # peer ids of its most recent ok exchanges, newest last (at most 4)
+    version: pv1.StrictStr | None = None        # gasloc software version
+
+    class Config:
+        extra = pv1.Extra.allow  # later versions may add to it
+
+    @pv1.validator("partners")
+    def _few(cls, v: list[str]) -> list[str]:
+        return v[-8:]  # a status view draws edges from it: a long list from a misbehaving peer is cut, not drawn
+
+
+def status_view(record: PeerRecord) -> StatusView | None:
+    """The record's StatusView; None when it has none (an older peer) or it does not parse (not trusted anyway)."""
+    raw = getattr(record, "view", None)
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return StatusView.parse_obj(raw)
+    except pv1.ValidationError:
+        return None
 
 
 class SwarmSchema(pv1.BaseModel):
@@ -78,10 +113,14 @@ class Membership:
         self._last_expiration = 0.0
         self._failed_in_a_row = 0
 
-    def record(self, *, state: str, round: int, throughput_tps: float, bandwidth_bps: float) -> PeerRecord:
+    def record(self, *, state: str, round: int, throughput_tps: float, bandwidth_bps: float,
+               **view: Any) -> PeerRecord:
+        """Our record; `view` holds StatusView's fields (loss, val_loss, round_s, partners). A non-finite float goes
+        out as None: the DHT's schema check compares values with ==, and NaN != NaN would make it drop the record."""
+        view = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in view.items()}
         return PeerRecord(peer_id=self.peer_id, protocol=self.protocol, fingerprint=self.fingerprint, state=state,
                           round=int(round), throughput_tps=float(throughput_tps), bandwidth_bps=float(bandwidth_bps),
-                          time=float(get_dht_time()))
+                          time=float(get_dht_time()), view=StatusView(version=__version__, **view).dict())
 
     async def announce(self, record: PeerRecord) -> bool:
         """Store our record with expiration now + ttl. False if no DHT node accepted it (logged, retried later)."""

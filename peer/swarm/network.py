@@ -13,7 +13,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +41,7 @@ class PeerStatus:
     round: int
     throughput_tps: float
     bandwidth_bps: float
+    view: dict = field(default_factory=dict)  # PeerRecord's optional status-view fields (loss, partners, ...)
 
 
 async def _make_events() -> tuple[asyncio.Event, asyncio.Event]:
@@ -48,9 +49,10 @@ async def _make_events() -> tuple[asyncio.Event, asyncio.Event]:
 
 
 class Network:
-    def __init__(self, cfg: PeerConfig, status: Callable[[], PeerStatus]):
+    def __init__(self, cfg: PeerConfig, status: Callable[[], PeerStatus], emit: Callable[..., None] | None = None):
         self.cfg = cfg
         self.status = status  # what our record says about us, read at each announcement
+        self.emit = emit or (lambda event, **fields: None)  # the peer's metrics sink (joins served)
         self.dht: SafeDHT | None = None
         self.aio: LoopThread | None = None
         self.p2p = None
@@ -70,7 +72,9 @@ class Network:
     def start_dht(self) -> None:
         net = self.cfg.network
         self.signer, validators = make_validators(self.cfg.swarm.run_id)
-        dht = SafeDHT(initial_peers=net.initial_peers or None, start=False, record_validators=validators,
+        m = self.cfg.metrics
+        p2pd_flags = {"metricsAddr": f"{m.host}:{m.p2pd_port}"} if m.p2pd_port else None
+        dht = SafeDHT(p2pd_flags=p2pd_flags, initial_peers=net.initial_peers or None, start=False, record_validators=validators,
                       host_maddrs=net.listen_maddrs, announce_maddrs=net.announce_maddrs or None,
                       identity_path=net.identity_path, startup_timeout=net.startup_timeout_s)
         self.dht = dht
@@ -111,7 +115,8 @@ class Network:
         from gasloc.peer.transport.state_transfer import StateServer
 
         self.state_server = StateServer(self.p2p, self._get_state, self.fingerprint, self.cfg.swarm.run_id,
-                                        self.cfg.state_transfer)
+                                        self.cfg.state_transfer,
+                                        on_served=lambda **fields: self.emit("state_served", **fields))
         self.aio.run(self.state_server.start(), self.cfg.network.startup_timeout_s)
 
     # ------------------------------------------------------------------ membership
@@ -121,7 +126,7 @@ class Network:
     def _record(self) -> PeerRecord:
         s = self.status()
         return self.membership.record(state=s.state, round=s.round, throughput_tps=s.throughput_tps,
-                                      bandwidth_bps=s.bandwidth_bps)
+                                      bandwidth_bps=s.bandwidth_bps, **s.view)
 
     def announce(self, wait: bool = False) -> None:
         """Announce the peer's current state: in the background (one store at a time, the latest state wins), or

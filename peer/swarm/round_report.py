@@ -31,6 +31,7 @@ class RoundExchange:
     attempts: int = 0
     passed_over: int = 0         # ready peers on much slower links not asked or answered busy (slower_link_ratio)
     detail: str = ""
+    code: str | None = None      # the status code name of a rejected exchange
     overlapped: bool = False     # outer.overlap: it ran during the next round's inner steps (no transfer time)
     guard: dict | None = None    # the guard's verdict on the partner (peer/daemon.py _judge), for the metrics line
 

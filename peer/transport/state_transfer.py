@@ -67,8 +67,9 @@ class StateServer:
     concurrent joiner gets BUSY and tries another donor."""
 
     def __init__(self, p2p: P2P, get_state: GetState, fingerprint: str, namespace: str,
-                 cfg: StateTransferConfig | None = None):
+                 cfg: StateTransferConfig | None = None, on_served: Callable[..., None] | None = None):
         self.p2p, self.get_state, self.fingerprint = p2p, get_state, fingerprint
+        self.on_served = on_served or (lambda **fields: None)  # one call per served download (metrics)
         self.cfg = cfg or StateTransferConfig()
         self.name = handler_name(namespace)
         self._serving = False
@@ -146,8 +147,10 @@ class StateServer:
             await ch.write(byte_view(t), self.cfg.chunk_bytes)
         # wait for the joiner's 1-byte verdict so that closing does not cut the tail of the payload
         verdict = Code.parse((await ch.readexactly(1))[0])
+        seconds = time.monotonic() - t0
         log.info("state_serve joiner=%s outcome=%s mb=%.1f seconds=%.2f",
-                 joiner, verdict.name, reply.total_bytes / 1e6, time.monotonic() - t0)
+                 joiner, verdict.name, reply.total_bytes / 1e6, seconds)
+        self.on_served(joiner=joiner, outcome=verdict.name, bytes=reply.total_bytes, seconds=seconds)
 
 
 async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorSpec],

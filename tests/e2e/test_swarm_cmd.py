@@ -31,6 +31,7 @@ def test_swarm_trains_summarizes_plots_and_cleans_up(harness):
     assert harness.wait_exit("swarm", 240) == 0, harness.log("swarm")
     out = harness.child("swarm").stdout_path.read_text()
     assert "summary" in out and "peer-0" in out and "peer-1" in out, out
+    assert "live status page: http://127.0.0.1:" in out, out  # gasloc status --serve ran beside the peers
 
     s = read_summary(run_dir)
     assert s["failed"] == [] and s["bootstrap_exit"] == 0
@@ -44,7 +45,7 @@ def test_swarm_trains_summarizes_plots_and_cleans_up(harness):
         assert all(r["val_loss"] is not None for r in rounds if r["event"] == "round")  # the variable reached it
     assert_png(run_dir / "swarm.png")
     # the documented layout
-    for f in ("bootstrap.maddrs", "bootstrap.log", "peer-0/metrics.jsonl", "peer-0/peer.log",
+    for f in ("bootstrap.maddrs", "bootstrap.log", "status.log", "peer-0/metrics.jsonl", "peer-0/peer.log",
               "peer-1/metrics.jsonl", "peer-1/peer.log"):
         assert (run_dir / f).is_file(), f
     # every process of the swarm's tree (bootstrap, peers, their DHT forks and p2pds) is gone, no socket left

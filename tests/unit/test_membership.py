@@ -9,7 +9,15 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from gasloc.peer.swarm.membership import PeerRecord, compatible, make_validators, parse_listing, peers_key
+from gasloc.peer.swarm.membership import (
+    Membership,
+    PeerRecord,
+    compatible,
+    make_validators,
+    parse_listing,
+    peers_key,
+    status_view,
+)
 
 RUN = "testrun"
 ser = DHTProtocol.serializer
@@ -112,3 +120,26 @@ def test_a_failed_listing_keeps_the_last_one_minus_what_must_have_expired(two_pe
     last = {"fresh": PeerRecord(**_record(peer_id="fresh", time=now - 1.0)),
             "stale": PeerRecord(**_record(peer_id="stale", time=now - 7.0))}
     assert set(m.prune(last)) == {"fresh"}
+
+
+def test_status_view_travels_as_an_extra_field_and_older_records_still_pass(two_peers):
+    """The view is what gasloc status reads; records without it (older peers) and with it both pass other nodes'
+    checks, and a malformed view costs only the view, not the record."""
+    (sig_a, val_a), (_, val_b) = two_peers
+    view = {"loss": 2.5, "val_loss": None, "round_s": 1.5, "partners": ["12D3KooWB"], "version": "0.1.0"}
+    assert val_b.validate(_dht_record(val_a, sig_a, _record(view=view)))
+    rec = PeerRecord.parse_obj(_record(view=view))
+    assert status_view(rec).partners == ["12D3KooWB"] and status_view(rec).loss == 2.5
+    assert status_view(PeerRecord.parse_obj(_record())) is None
+    assert status_view(PeerRecord.parse_obj(_record(view={"loss": "low"}))) is None
+
+
+def test_a_nan_loss_is_announced_as_none():
+    """NaN != NaN: a NaN in the record would fail the DHT's no-conversion check and drop the whole record."""
+
+    class _Signer:
+        local_public_key = b"k"
+
+    m = Membership(None, _Signer(), run_id=RUN, peer_id="12D3KooWA", fingerprint="abc", protocol=1, ttl_s=15)
+    rec = m.record(state="training", round=1, throughput_tps=1.0, bandwidth_bps=0.0, loss=float("nan"), round_s=2.0)
+    assert rec.view["loss"] is None and rec.view["round_s"] == 2.0

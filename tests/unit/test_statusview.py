@@ -1,0 +1,62 @@
+"""gasloc status's view without I/O: rows from records (claims, missing views, other configs), totals, the live
+page's history (loss per round, recent exchange edges that expire), and the one-line empty case."""
+from __future__ import annotations
+
+from gasloc.cli.statusview import History, no_peers_line, render_table, snapshot
+from gasloc.peer.swarm.membership import PeerRecord
+
+
+def rec(pid: str, round: int, t: float, view: dict | None = None, fingerprint: str = "fp", **over) -> PeerRecord:
+    base = dict(peer_id=pid, protocol=1, fingerprint=fingerprint, state="training", round=round,
+                throughput_tps=100.0, bandwidth_bps=0.0, time=t)
+    if view is not None:
+        base["view"] = view
+    return PeerRecord.parse_obj({**base, **over})
+
+
+def test_rows_and_totals():
+    records = {"A": rec("A", 5, 99.0, {"loss": 2.0, "round_s": 2.0, "partners": ["B"], "version": "0.1.0"}),
+               "B": rec("B", 7, 98.0, {"loss": 2.1, "round_s": 3.0, "reachability": "public"},
+                        bandwidth_bps=5e6),
+               "C": rec("C", 1, 97.0)}  # an older peer: no view
+    snap = snapshot(records, run_id="r", now=100.0)
+    assert [p["peer_id"] for p in snap["peers"]] == ["B", "A", "C"]  # most advanced first
+    a, b, c = (next(p for p in snap["peers"] if p["peer_id"] == x) for x in "ABC")
+    assert a["loss"] == 2.0 and a["partners"] == ["B"] and a["bandwidth_bps"] is None  # 0.0: not measured yet
+    assert b["reachability"] == "public" and b["bandwidth_bps"] == 5e6 and b["announced_s_ago"] == 2.0
+    assert c["loss"] is None and c["version"] is None
+    t = snap["totals"]
+    assert t["peers"] == 3 and t["tokens_per_s"] == 300.0 and t["rounds_per_min"] == 30.0 + 20.0
+    assert t["configs"] == 1 and "round" in snap["claimed"]
+
+
+def test_table_marks_other_configs_and_claims():
+    from rich.console import Console
+
+    records = {"A": rec("A", 5, 99.0), "B": rec("B", 5, 99.0), "C": rec("C", 2, 99.0, fingerprint="other")}
+    console = Console(width=200, record=True)
+    console.print(render_table(snapshot(records, run_id="r", now=100.0), ["/ip4/1.2.3.4/tcp/1/p2p/X"]))
+    out = console.export_text()
+    assert "C (other config)" in out and "A (other config)" not in out and "own claim" in out and "3 peers" in out
+
+
+def test_nobody_there_is_one_line():
+    from rich.text import Text
+
+    snap = snapshot({}, run_id="r", now=1.0)
+    shown = render_table(snap, ["/ip4/1.2.3.4/tcp/1/p2p/X"])
+    assert isinstance(shown, Text) and "\n" not in shown.plain and "no peers in sight" in shown.plain
+    assert "2 initial peers" in no_peers_line("r", ["a", "b"])
+
+
+def test_history_keeps_one_point_per_round_and_expires_edges():
+    h = History(edge_window_s=10.0)
+    h.add(snapshot({"A": rec("A", 1, 0.0, {"loss": 3.0, "partners": ["B"]})}, run_id="r", now=1.0))
+    h.add(snapshot({"A": rec("A", 1, 0.0, {"loss": 3.0, "partners": ["B"]})}, run_id="r", now=2.0))  # same round
+    h.add(snapshot({"A": rec("A", 2, 0.0, {"loss": 2.9, "partners": ["B", "C"]}),
+                    "C": rec("C", 2, 0.0, {"loss": 2.8, "partners": ["A"]})}, run_id="r", now=5.0))
+    j = h.to_json()
+    assert [p["round"] for p in j["curves"]["A"]] == [1, 2]
+    assert {(e["a"], e["b"]) for e in j["edges"]} == {("A", "B"), ("A", "C")}
+    h.add(snapshot({"A": rec("A", 3, 0.0, {"loss": 2.7, "partners": ["B", "C"]})}, run_id="r", now=12.0))
+    assert {(e["a"], e["b"]) for e in h.to_json()["edges"]} == {("A", "C")}  # A-B last seen at t=1: expired

@@ -63,6 +63,20 @@ def test_checkpoint_age_and_joins_served(sink):
     assert m["gasloc_joins_served_total[('outcome', 'OK')]"] == 1
 
 
+def test_guard_verdicts_and_recoveries(sink):
+    """The robust-mixing guard's fields of a round record (peer/daemon.py _guard_fields) and the recovery event."""
+    sink.emit("round", **_round(guard="clip", guard_tau=0.3, clipped_by=0.4, rejected=False, partner_trust=0.8))
+    sink.emit("round", **_round(guard="reject", guard_tau=0.3, clipped_by=0.0, rejected=True, partner_trust=0.5))
+    sink.emit("round", **_round(outcome="solo", guard=None, guard_tau=None, clipped_by=None, partner_trust=None))
+    sink.emit("recovered", from_round=7, round=5)
+    m = scrape(sink)
+    assert m["gasloc_guard_verdicts_total[('guard', 'clip')]"] == 1
+    assert m["gasloc_guard_verdicts_total[('guard', 'reject')]"] == 1
+    assert m["gasloc_guard_clipped_by_count[]"] == 1 and m["gasloc_guard_clipped_by_sum[]"] == 0.4
+    assert m["gasloc_partner_trust[]"] == 0.5 and m["gasloc_guard_tau[]"] == 0.3
+    assert m["gasloc_recoveries_total[]"] == 1
+
+
 def test_a_new_metric_is_one_line():
     extra = Metric("counter", "gasloc_mixes_clipped", "mixes whose update was clipped", "round", "clipped")
     s = PrometheusSink(MetricsConfig(port=0), metrics=(*METRICS, extra))

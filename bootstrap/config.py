@@ -28,6 +28,8 @@ class BootstrapConfig(BaseModel):
                                      "(multiaddrs or files of them); empty: start a new DHT")
     identity_path: Path = Field(Path("bootstrap.key"), description="private key file giving a stable peer id; "
                                 "created on first run; refused while another process uses it")
+    key_path: Path | None = Field(None, description="swarm key file (gasloc keygen FILE) of a private swarm: "
+                                  "DHT requests without that key are refused; unset: an open DHT")
     maddrs_file: Path | None = Field(None, description="write the node's full multiaddrs here (one per line, "
                                      "atomically) once it is up; peers take this file as --initial-peers")
     log_interval_s: float = Field(30.0, gt=0, description="log the swarm's size this often")

@@ -33,6 +33,8 @@ class Code(IntEnum):
     TIMEOUT = 10, "You were too slow: my deadline passed before we finished."
     INTERNAL = 11, "Something failed on my side; not your fault, try later or elsewhere."
     BAD_CHECKSUM = 12, "Your payload does not match the checksum your header declared."
+    NOT_AUTHORIZED = 13, "You did not prove this private swarm's key; I do not talk to outsiders."
+    RATE_LIMITED = 14, "You asked me for this too recently; ask another peer, or me again later."
 
     @classmethod
     def parse(cls, value: int) -> Code:

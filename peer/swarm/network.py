@@ -124,8 +124,8 @@ class Network:
         except Exception as e:  # noqa: BLE001 - whatever hivemind raised, the user gets one line and exit 1
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise StartupError(f"could not start the DHT node ({type(e).__name__}: {first}); check "
-                                   f"--initial-peers (are those peers running and reachable?) and "
-                                   f"--host-maddrs") from None
+                                   f"--initial-peers (are those peers running and reachable?), --host-maddrs, "
+                                   f"and --swarm-key (a private swarm ignores peers without its key)") from None
         self.peer_id = dht.peer_id.to_base58()
         if peer_id_of(self.signer.local_public_key) != self.peer_id:   # others would drop every record of ours
             raise StartupError(f"p2pd runs as {self.peer_id}, not as the identity in {identity_path}")

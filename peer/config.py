@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gasloc.peer.checkpoint import CheckpointConfig
+from gasloc.peer.swarm.swarmkey import check_key_path
 from gasloc.peer.train.data import DataConfig
 from gasloc.peer.train.inner import InnerConfig
 from gasloc.peer.train.model import ModelConfig
@@ -95,6 +96,7 @@ class SwarmConfig(_Section):
                                        "downloads the swarm's state instead of mixing its stale model; 0: never")
 
     _run_id = field_validator("run_id")(check_run_id)
+    _key = field_validator("key_path")(check_key_path)
 
     @model_validator(mode="after")
     def _orders_and_ratios(self) -> SwarmConfig:

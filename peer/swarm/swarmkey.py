@@ -48,3 +48,10 @@ def keygen(path: str | os.PathLike) -> Path:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(KEYGEN_BYTES) + "\n")
     return p
+
+
+def check_key_path(v: Path | None) -> Path | None:
+    """A pydantic field validator: a set key path must hold a usable key (one-line error at config time)."""
+    if v is not None:
+        load_swarm_key(v)     # SwarmKeyError is a ValueError: pydantic reports it under the field's name
+    return v

@@ -1,5 +1,6 @@
-"""A private swarm as real `gasloc` processes: a keyed bootstrap and three keyed peers train together; outsiders
-without the key or with another key get nothing from it - not a DHT entry, not a listing, not a byte."""
+"""A private swarm as real `gasloc` processes: a keyed bootstrap and three keyed peers train together and admit a
+keyed joiner with their state; outsiders without the key or with another key get nothing from it - not a DHT
+entry, not a listing, not a byte."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,7 @@ import stat
 import pytest
 
 from e2e.harness import LOOPBACK
-from e2e.swarm_helpers import all_have, ok_partners, rounds, start_peers, write_config
+from e2e.swarm_helpers import all_have, ok_partners, rounds, start_event, start_peers, write_config
 
 
 @pytest.mark.timeout(400)
@@ -46,3 +47,10 @@ def test_outsiders_without_the_key_or_with_another_get_nothing(harness):
         assert set(got) <= set(ids.values()) - {ids[n]}, got      # nobody but the keyed peers, ever
         assert sum(got.values()) >= 5
         assert "NOT_AUTHORIZED" not in h.log(n)                   # keyed peers prove the key to each other
+
+    # a keyed joiner downloads the state from a keyed donor: membership (a fresh listing when it is not yet in the
+    # donor's), the proofs both ways and the checks of the download all pass
+    start_peers(h, ["p3"], boot, cfg, "--swarm-key", str(key))
+    st = start_event(h, "p3")
+    assert st["joined_from"] in set(ids.values()) and st["round"] > 0, st
+    assert any("state_serve" in h.log(n) and "outcome=OK" in h.log(n) for n in names)

@@ -234,16 +234,18 @@ class Network:
         return str(peer_id) in self.live
 
     async def confirm_member(self, peer_id: PeerID) -> bool:
-        """On the loop: whether `peer_id` is listed, waiting for at most one fresh listing when our cached one does
+        """On the loop: whether `peer_id` is listed, waiting for at most two fresh listings when our cached one does
         not name it. A joiner calls its donors right after its first announcement, before their next periodic
         listing; a stranger costs at most a share of one DHT get (the lister serves every waiter at once)."""
-        if self.is_member(peer_id):
-            return True
-        before = self.listed_at
-        self.request_listing()
         deadline = time.monotonic() + LIST_PERIOD_S + self.membership.request_timeout_s
-        while self.listed_at == before and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        # two listings: the first may have been in flight before the caller's announcement reached the DHT
+        for _ in range(2):
+            if self.is_member(peer_id):
+                return True
+            before = self.listed_at
+            self.request_listing()
+            while self.listed_at == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         return self.is_member(peer_id)
 
     # ------------------------------------------------------------------ state transfer

@@ -16,6 +16,8 @@ import click
 @click.option("--announce-maddrs", multiple=True, help="multiaddr peers should dial (repeatable)")
 @click.option("--initial-peers", multiple=True, help="another node to join: multiaddr or file (repeatable)")
 @click.option("--identity-path", type=click.Path(dir_okay=False), help="key file for a stable peer id")
+@click.option("--swarm-key", "key_path", type=click.Path(dir_okay=False), help="swarm key file of a private "
+              "swarm (gasloc keygen FILE)")
 @click.option("--maddrs-file", type=click.Path(dir_okay=False), help="write the full multiaddrs here")
 @click.option("--log-interval-s", type=float, help="log the swarm size this often [30]")
 def bootstrap(config_file, print_config, **flags) -> None:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gasloc.peer.swarm.swarmkey import check_key_path
 from gasloc.protocol.messages import check_run_id
 from gasloc.runtime.maddrs import check_announce_ports, check_maddrs
 
@@ -28,6 +29,8 @@ class BootstrapConfig(BaseModel):
                                      "(multiaddrs or files of them); empty: start a new DHT")
     identity_path: Path = Field(Path("bootstrap.key"), description="private key file giving a stable peer id; "
                                 "created on first run; refused while another process uses it")
+    key_path: Path | None = Field(None, description="swarm key file (gasloc keygen FILE) of a private swarm: "
+                                  "DHT requests without that key are refused; unset: an open DHT")
     maddrs_file: Path | None = Field(None, description="write the node's full multiaddrs here (one per line, "
                                      "atomically) once it is up; peers take this file as --initial-peers")
     log_interval_s: float = Field(30.0, gt=0, description="log the swarm's size this often")
@@ -35,6 +38,7 @@ class BootstrapConfig(BaseModel):
     startup_timeout_s: float = Field(30.0, gt=0, description="how long p2pd and the DHT may take to start")
 
     _run_id = field_validator("run_id")(check_run_id)
+    _key = field_validator("key_path")(check_key_path)
 
     _maddrs = field_validator("host_maddrs", "announce_maddrs")(check_maddrs)
     _explicit_port = field_validator("announce_maddrs")(check_announce_ports)

@@ -105,11 +105,22 @@ def run(cfg: BootstrapConfig) -> int:
     from gasloc.runtime.safeproc import SafeDHT
 
     _, validators = make_validators(cfg.run_id)
+    extra = {}
+    if cfg.key_path is not None:
+        from gasloc.peer.swarm.private import SwarmKeyAuthorizer
+        from gasloc.peer.swarm.swarmkey import load_swarm_key
+        from gasloc.protocol.auth import SwarmKeyError
+        try:
+            extra["authorizer"] = SwarmKeyAuthorizer(load_swarm_key(cfg.key_path))
+        except SwarmKeyError as e:
+            os.close(lock_fd)
+            raise BootstrapError(str(e)) from None
+        log.info("private swarm: DHT requests must carry the swarm key of %s", cfg.key_path)
     try:
         dht = SafeDHT(
             initial_peers=cfg.initial_peers or None, start=True, record_validators=validators,
             host_maddrs=cfg.listen_maddrs, announce_maddrs=cfg.announce_maddrs or None,
-            identity_path=str(Path(cfg.identity_path).expanduser()), startup_timeout=cfg.startup_timeout_s)
+            identity_path=str(Path(cfg.identity_path).expanduser()), startup_timeout=cfg.startup_timeout_s, **extra)
     except P2PDaemonError as e:
         if "already taken" in str(e):
             raise BootstrapError(f"identity {cfg.identity_path} is already used by a running node of this swarm; "

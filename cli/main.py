@@ -21,6 +21,7 @@ COMMANDS = {
     "tokenize": "gasloc.peer.train.tokenize_cli:tokenize",
     "presets": "gasloc.cli.presets:presets",
     "config-reference": "gasloc.cli.configref:config_reference",
+    "keygen": "gasloc.cli.keygen:keygen",
 }
 
 

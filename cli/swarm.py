@@ -3,7 +3,8 @@ embedded corpus by default, one data shard per peer), a live table fed by each p
 a summary, summary.json and swarm.png (loss against time per peer). Nothing is left running afterwards.
 
 Run dir: bootstrap.maddrs, bootstrap.log, bootstrap.key, peer-<i>/{metrics.jsonl, peer.log, ...}, swarm.png,
-summary.json, status.log (the live status page, `gasloc status --serve`, whose address is printed). Exit code: 0, or 1 if a peer failed to start, crashed or did not stop cleanly (2: bad options).
+summary.json, status.log (the live status page, `gasloc status --serve`, whose address is printed). Exit code: 0,
+or 1 if a peer failed to start, crashed or did not stop cleanly (2: bad options).
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ class SwarmRunConfig(BaseModel):
     algorithm: Literal["gasloc", "gossip", "diloco"] = Field("gasloc", description="outer update of every peer")
     peer_config: Path | None = Field(None, description="TOML config given to every peer (--config); the swarm "
                                      "still sets run id, addresses, run dir and data shard")
+    key_path: Path | None = Field(None, description="swarm key file (gasloc keygen FILE): a private swarm, the "
+                                  "bootstrap and every peer get it")
     ready_timeout_s: float = Field(180.0, gt=0, description="how long a peer may take to print READY")
     stop_grace_s: float = Field(30.0, gt=0, description="after SIGTERM, how long a peer may take to exit")
     refresh_s: float = Field(1.0, gt=0, description="table refresh period")
@@ -45,6 +48,15 @@ class SwarmRunConfig(BaseModel):
     def _exists(cls, v: Path | None) -> Path | None:
         if v is not None and not v.is_file():
             raise ValueError(f"peer config {v} is not a file")
+        return v
+
+    @field_validator("key_path")
+    @classmethod
+    def _key_readable(cls, v: Path | None) -> Path | None:
+        if v is not None:
+            from gasloc.peer.swarm.swarmkey import load_swarm_key
+            load_swarm_key(v)     # SwarmKeyError is a ValueError: one line, before anything starts
+            return v.resolve()
         return v
 
 
@@ -102,17 +114,20 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
     failed: list[str] = []
     all_ready = False
     t0 = time.time()
+    key_args = ("--swarm-key", str(cfg.key_path)) if cfg.key_path is not None else ()
     try:
         boot = sup.start("bootstrap", gasloc_argv(
             "bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(run_dir / "bootstrap.key"),
-            "--maddrs-file", str(run_dir / "bootstrap.maddrs"), "--run-id", cfg.run_id, "--log-interval-s", "10"),
+            "--maddrs-file", str(run_dir / "bootstrap.maddrs"), "--run-id", cfg.run_id, "--log-interval-s", "10",
+            *key_args),
             run_dir / "bootstrap.log", env=bootstrap_env())
         if sup.wait_ready(boot, 60, cancel=stop) is None:
             return 130
         console.print(f"bootstrap {boot.peer_id} at {boot.maddrs[0]}")
         for i, name in enumerate(names):
             argv = ["peer", *[a for m in boot.maddrs for a in ("--initial-peers", m)], "--run-id", cfg.run_id,
-                    "--run-dir", str(run_dir / name), "--algorithm", cfg.algorithm, "--host-maddrs", LOOPBACK]
+                    "--run-dir", str(run_dir / name), "--algorithm", cfg.algorithm, "--host-maddrs", LOOPBACK,
+                    *key_args]
             if cfg.peer_config is not None:
                 argv += ["--config", str(cfg.peer_config.resolve())]
             sup.start(name, gasloc_argv(*argv, *peer_args), run_dir / name / "peer.log", env=peer_env(i, cfg.peers))
@@ -222,6 +237,8 @@ def _refresh(views, tails, sup) -> None:
 @click.option("--algorithm", type=click.Choice(["gasloc", "gossip", "diloco"]), help="outer update [gasloc]")
 @click.option("--peer-config", type=click.Path(dir_okay=False), help="TOML config for every peer")
 @click.option("--status-port", type=int, help="port of the live status page on 127.0.0.1 (0: any free) [0]")
+@click.option("--swarm-key", "key_path", type=click.Path(dir_okay=False), help="swarm key file of a private "
+              "swarm, given to the bootstrap and every peer")
 @click.argument("peer_args", nargs=-1, type=click.UNPROCESSED)
 def swarm(config_file, print_config, peer_args, **flags) -> None:
     """Start a bootstrap and N peers on loopback, show a live table, then a summary and swarm.png.

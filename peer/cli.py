@@ -22,6 +22,8 @@ import click
 @click.option("--host-maddrs", multiple=True, help="listen multiaddr (repeatable); overrides --port")
 @click.option("--announce-maddrs", multiple=True, help="multiaddr other peers should dial (repeatable)")
 @click.option("--identity-path", type=click.Path(dir_okay=False), help="key file for a stable peer id")
+@click.option("--swarm-key", type=click.Path(dir_okay=False), help="swarm key file of a private swarm "
+              "(gasloc keygen FILE); every peer and bootstrap of the swarm needs the same one")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="training device [auto]")
 @click.option("--max-rounds", type=int, help="stop after this many outer rounds [run until stopped]")
 @click.option("--max-seconds", type=float, help="stop after this many seconds of training")
@@ -29,7 +31,7 @@ import click
               "free port) [off]")
 @click.option("--no-checkpoint", is_flag=True, help="neither write checkpoints nor resume from them")
 def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, port, host_maddrs, announce_maddrs,
-         identity_path, device, max_rounds, max_seconds, metrics_port, no_checkpoint) -> None:
+         identity_path, swarm_key, device, max_rounds, max_seconds, metrics_port, no_checkpoint) -> None:
     """Join a training swarm (or start one) and train until Ctrl+C or SIGTERM."""
     from gasloc.peer.config import PeerConfig
     from gasloc.runtime.config import ConfigError, dump_toml, resolve
@@ -37,8 +39,9 @@ def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, p
     flags = {
         "network.initial_peers": initial_peers, "swarm.run_id": run_id, "run.run_dir": run_dir,
         "outer.algorithm": algorithm, "network.port": port, "network.host_maddrs": host_maddrs,
-        "network.announce_maddrs": announce_maddrs, "network.identity_path": identity_path, "run.device": device,
-        "run.max_rounds": max_rounds, "run.max_seconds": max_seconds, "metrics.port": metrics_port,
+        "network.announce_maddrs": announce_maddrs, "network.identity_path": identity_path, "swarm.key_path": swarm_key,
+        "run.device": device, "run.max_rounds": max_rounds, "run.max_seconds": max_seconds,
+        "metrics.port": metrics_port,
     }
     try:
         cfg = resolve(PeerConfig, config_file, flags)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from gasloc.peer.checkpoint import CheckpointConfig
 from gasloc.peer.prometheus import MetricsConfig
+from gasloc.peer.swarm.swarmkey import check_key_path
 from gasloc.peer.train.data import DataConfig
 from gasloc.peer.train.inner import InnerConfig
 from gasloc.peer.train.model import ModelConfig
@@ -61,6 +62,10 @@ class NetworkConfig(_Section):
 class SwarmConfig(_Section):
     """Membership in the run and how partners are found."""
     run_id: str = Field("gasloc", description="name of the training run: peers of one run share its DHT key")
+    key_path: Path | None = Field(None, description="swarm key file (`gasloc keygen FILE`) of a private swarm: "
+                                  "every DHT request, exchange and state download must prove the same key; "
+                                  "peers without it are neither listed, served nor mixed with. Unset: an open "
+                                  "swarm (a stock hivemind DHT node works as its bootstrap)")
     announce_ttl_s: float = Field(15.0, ge=1, description="a peer's record expires this long after its last "
                                   "announcement (refreshed every ttl/3); also how long a dead peer stays listed")
     partner_deadline_s: float = Field(10.0, gt=0, description="per round, how long to look for a partner before "
@@ -106,6 +111,7 @@ class SwarmConfig(_Section):
                                        "downloads the swarm's state instead of mixing its stale model; 0: never")
 
     _run_id = field_validator("run_id")(check_run_id)
+    _key = field_validator("key_path")(check_key_path)
 
     @model_validator(mode="after")
     def _orders_and_ratios(self) -> SwarmConfig:
@@ -190,6 +196,10 @@ class PeerConfig(_Section):
     def _communicating(self) -> PeerConfig:
         if self.outer.algorithm == "local":
             raise ValueError("outer.algorithm 'local' never communicates: it runs in `gasloc sim`, not in a swarm")
+        if self.outer.algorithm == "diloco" and self.swarm.key_path is not None:
+            # hivemind's DecentralizedAverager takes no authorizer: its all-reduce streams could not be gated
+            raise ValueError("swarm.key_path (a private swarm) is not supported with outer.algorithm 'diloco': "
+                             "hivemind's averager cannot check the swarm key")
         return self
 
     @property

@@ -34,6 +34,8 @@ class Code(IntEnum):
     INTERNAL = 11, "Something failed on my side; not your fault, try later or elsewhere."
     BAD_CHECKSUM = 12, "Your payload does not match the checksum your header declared."
     DISTRUSTED = 13, "Your model is too far from mine, or worse on my data: I did not mix it in (protocol/guard.py)."
+    NOT_AUTHORIZED = 14, "You did not prove this private swarm's key; I do not talk to outsiders."
+    RATE_LIMITED = 15, "You asked me for this too recently; ask another peer, or me again later."
 
     @classmethod
     def parse(cls, value: int) -> Code:

@@ -92,6 +92,8 @@ class ExchangeRequest(_Wire):
     specs: tuple[TensorSpec, ...] = Field(max_length=MAX_TENSORS, description="the tensors that will follow")
     total_bytes: int = Field(ge=0, description="exact byte count of the payload that follows")
     streams: int = Field(1, ge=1, description="how many parallel streams carry the payloads (this one included)")
+    auth: str = Field("", max_length=64, description="private swarm: the sender's proof of the swarm key "
+                      "(protocol/auth.py); empty in an open swarm")
 
 
 class ExchangeReply(_Wire):
@@ -106,6 +108,8 @@ class ExchangeReply(_Wire):
     specs: tuple[TensorSpec, ...] = Field((), max_length=MAX_TENSORS)
     total_bytes: int = Field(0, ge=0)
     token: str = Field("", max_length=64, description="with OK and streams > 1: what each extra stream presents")
+    auth: str = Field("", max_length=64, description="private swarm: the sender's proof of the swarm key "
+                      "(protocol/auth.py); empty in an open swarm")
 
 
 class LaneHello(_Wire):
@@ -121,6 +125,8 @@ class StateRequest(_Wire):
     kind: Literal["state"] = "state"
     protocol_version: int
     fingerprint: str = Field(max_length=128)
+    auth: str = Field("", max_length=64, description="private swarm: the sender's proof of the swarm key "
+                      "(protocol/auth.py); empty in an open swarm")
 
 
 class StateReply(_Wire):
@@ -136,6 +142,8 @@ class StateReply(_Wire):
     specs: tuple[TensorSpec, ...] = Field((), max_length=MAX_TENSORS)
     total_bytes: int = Field(0, ge=0)
     sha256: str = Field("", max_length=64, description="hex sha256 of the payload bytes")
+    auth: str = Field("", max_length=64, description="private swarm: the sender's proof of the swarm key "
+                      "(protocol/auth.py); empty in an open swarm")
 
 
 def fingerprint(**parts: Any) -> str:

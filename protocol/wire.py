@@ -31,7 +31,9 @@ from gasloc.protocol.messages import (
 )
 
 LENGTH_PREFIX_BYTES = 4
-MAX_HEADER_BYTES = 1 << 20   # 1 MiB: ~20k tensor specs; a real header is a few KB
+MAX_HEADER_BYTES = 1 << 20   # 1 MiB: the most any header may be; a receiver caps far lower (header_cap)
+HEADER_SLACK_BYTES = 2048    # room above our own header's size for a peer's longer strings and newer fields
+SMALL_HEADER_BYTES = 4096    # cap of headers that carry no tensor specs (a state request, a lane hello, a refusal)
 _LENGTH = struct.Struct(">I")
 
 H = TypeVar("H", bound=BaseModel)
@@ -51,6 +53,13 @@ def encode_header(header: BaseModel) -> bytes:
     if len(body) > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(body)} bytes exceeds MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
     return _LENGTH.pack(len(body)) + body
+
+
+def header_cap(own_header: BaseModel) -> int:
+    """What we read of a partner's header that describes the same tensors as `own_header` (ours, fully filled):
+    its size plus some slack. A compatible partner's header is about as long as ours, so anything much longer is
+    garbage we need not buffer (a 1 MiB cap would let every caller make us parse 1 MiB of JSON)."""
+    return min(MAX_HEADER_BYTES, len(own_header.model_dump_json().encode()) + HEADER_SLACK_BYTES)
 
 
 def parse_length(prefix: bytes, max_header_bytes: int = MAX_HEADER_BYTES) -> int:

@@ -76,7 +76,7 @@ class GossipAveraging:
     def start(self, specs: list[tuple[tuple[int, ...], torch.dtype]], fingerprint: str) -> None:
         self.exchanger = Exchanger(self.cfg.exchange, self.net.p2p, specs=specs, fingerprint=fingerprint,
                                    is_member=self.net.is_member, namespace=self.cfg.swarm.run_id,
-                                   declines=self._declines)
+                                   declines=self._declines, swarm_key=self.net.swarm_key)
         self.net.aio.run(self.exchanger.start(), self.cfg.network.startup_timeout_s)
 
     def average(self, sent: list[torch.Tensor], round: int, live_count: Callable[[], int]) -> RoundExchange:
@@ -123,7 +123,9 @@ class GossipAveraging:
     def _sight(self, cut: threading.Event | None, round: int) -> Sight:
         live = self.net.live
         ex = self.exchanger
-        return Sight(live=live.keys(), ready={p: r.bandwidth_bps for p, r in self.net.ready_peers().items()},
+        # partner weights are our own measured rates with each peer: a record's bandwidth_bps is its owner's
+        # claim (a Sybil announcing 1e30 would be picked whenever free), our measurement is a fact
+        return Sight(live=live.keys(), ready={p: ex.rate(p) for p in self.net.ready_peers()},
                      rates={p: ex.rate(p) for p in live}, own_link=self.own_link(),
                      cut=cut is None or cut.is_set(), stopping=self.stopping.is_set(),
                      engaged_as_responder=(ex.engaged or "").startswith("responder"),

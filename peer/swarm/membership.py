@@ -2,25 +2,37 @@
 
 One DHT key per run (`<run_id>_peers`), one subkey per peer: that peer's RSA public key, so only its owner can
 write it (RSASignatureValidator). Every value must match `PeerRecord` exactly (SchemaValidator, strict types).
+
+A record is bound to its owner: the RSA key that signs it is the peer's libp2p identity key (the key file p2pd runs
+with), so the subkey's public key determines the libp2p peer id, and `parse_listing` drops a record whose `peer_id`
+is not the one its subkey derives to. Hence one subkey per identity, and no record can speak for another peer: a
+forged record for a live victim is simply not the victim's, and the victim stays listed.
 A record expires `ttl_s` after its last announcement; a peer re-announces every ttl/3 and, when it leaves, stores
 None with a later expiration (the DHT keeps the record with the latest expiration, so a plain re-store with a shorter
 TTL would be ignored; see docs/hivemind.md §4).
 
-The listing is what a peer believes about the swarm, nothing more: a record proves that its owner held the signing
-key, not that the libp2p peer id inside it is the owner's. The exchange layer therefore authenticates partners by
-their transport identity (context.remote_id) and treats this list only as a set of candidates.
+What a record says beyond who wrote it (state, round, throughput, bandwidth) is its owner's claim: partner choice
+weighs our own measured rates, never `bandwidth_bps`. Freshness comes from the DHT's expiration of the entry, never
+from the self-declared `time`. The exchange layer still authenticates every caller by its transport identity.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
+import base58
+import multihash
 import pydantic.v1 as pv1
+from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from gasloc import __version__
@@ -93,10 +105,55 @@ def peers_key(run_id: str) -> str:
     return f"{run_id}_peers"
 
 
-def make_validators(run_id: str) -> tuple[RSASignatureValidator, list]:
-    """A fresh signing key for this peer (never RSAPrivateKey.process_wide(): forked peers would share it) and the
-    validators to give the DHT."""
-    signer = RSASignatureValidator(RSAPrivateKey())
+class IdentityError(ValueError):
+    """The identity key file cannot sign records; one line that says why."""
+
+
+def load_identity(path: str | Path) -> RSAPrivateKey:
+    """The RSA key of a libp2p identity file (protobuf PrivateKey, as hivemind's P2P.generate_identity writes it)."""
+    try:
+        pb = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
+    except OSError as e:
+        raise IdentityError(f"cannot read identity file {path}: {e.strerror}") from None
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends: the file is not a key, whatever broke
+        raise IdentityError(f"identity file {path} is not a libp2p private key") from None
+    if pb.key_type != crypto_pb2.KeyType.RSA:
+        raise IdentityError(f"identity file {path} holds a {crypto_pb2.KeyType.Name(pb.key_type)} key; gasloc "
+                            f"peers need an RSA identity (remove the file and a new one is made)")
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    try:
+        # RSAPrivateKey has no constructor from bytes; its unpickling path loads exactly this DER encoding
+        key.__setstate__({"_private_key": pb.data})
+    except ValueError:
+        raise IdentityError(f"identity file {path} holds a malformed RSA key") from None
+    return key
+
+
+@functools.lru_cache(maxsize=4096)
+def peer_id_of(owner_subkey: bytes) -> str | None:
+    """The libp2p peer id (base58) of the RSA key in a `[owner:<ssh-rsa ...>]` subkey; None if there is none.
+    libp2p's rule: sha2-256 multihash of the protobuf PublicKey holding the DER SubjectPublicKeyInfo."""
+    if not isinstance(owner_subkey, bytes):
+        return None
+    found = RSASignatureValidator._PUBLIC_KEY_RE.findall(owner_subkey)
+    if len(found) != 1:
+        return None
+    try:
+        public = RSAPublicKey.from_bytes(found[0])._public_key
+    except (ValueError, TypeError):
+        return None
+    der = public.public_bytes(encoding=serialization.Encoding.DER,
+                              format=serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
+    return base58.b58encode(digest).decode()
+
+
+def make_validators(run_id: str, identity: RSAPrivateKey | None = None) -> tuple[RSASignatureValidator, list]:
+    """The record signer and the validators to give the DHT. A peer passes its libp2p identity key (so its records
+    are bound to its peer id); a bootstrap, which announces nothing, may let a fresh key be made. Never
+    RSAPrivateKey.process_wide(): forked peers would share it."""
+    signer = RSASignatureValidator(identity or RSAPrivateKey())
     return signer, [signer, SchemaValidator(SwarmSchema, prefix=run_id)]
 
 
@@ -112,6 +169,7 @@ class Membership:
         self.ttl_s, self.request_timeout_s = ttl_s, request_timeout_s
         self._last_expiration = 0.0
         self._failed_in_a_row = 0
+        self.expirations: dict[str, float] = {}   # peer id -> DHT expiration of its entry, as of the last listing
 
     def record(self, *, state: str, round: int, throughput_tps: float, bandwidth_bps: float,
                **view: Any) -> PeerRecord:
@@ -163,7 +221,10 @@ class Membership:
         except TimeoutError:
             log.warning("dht_get_timeout key=%s timeout_s=%.1f", self.key, self.request_timeout_s)
             return None
-        return parse_listing(found, now=get_dht_time())
+        expirations: dict[str, float] = {}
+        listing = parse_listing(found, now=get_dht_time(), expirations=expirations)
+        self.expirations = expirations
+        return listing
 
     async def live_peers(self) -> dict[str, PeerRecord] | None:
         """Peers we can pair with: same fingerprint and protocol, unexpired, not us; None if the DHT did not
@@ -174,27 +235,34 @@ class Membership:
         return compatible(found, peer_id=self.peer_id, fingerprint=self.fingerprint, protocol=self.protocol)
 
     def prune(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
-        """An older listing minus the records that must have expired by now (announced more than a TTL ago):
-        what to believe while the DHT does not answer."""
+        """An older listing minus the entries whose DHT expiration has passed: what to believe while the DHT does
+        not answer. (The record's own `time` is its owner's claim and decides nothing.)"""
         now = get_dht_time()
-        return {pid: r for pid, r in records.items() if r.time + self.ttl_s > now}
+        return {pid: r for pid, r in records.items() if self.expirations.get(pid, 0.0) > now}
 
 
-def parse_listing(found, now: float) -> dict[str, PeerRecord]:
+def parse_listing(found, now: float, expirations: dict[str, float] | None = None) -> dict[str, PeerRecord]:
     """peer_id -> record from a DHT `get` result (None, or a dict subkey -> ValueWithExpiration); withdrawn (None),
-    expired or malformed entries are dropped. When two subkeys claim one peer id, the newest announcement wins."""
+    expired, malformed entries and entries whose peer_id is not their subkey's owner are dropped. `expirations`,
+    when given, receives each kept peer's DHT expiration.
+
+    Each peer id has exactly one possible subkey (its own public key), so no two kept entries can claim one id."""
     out: dict[str, PeerRecord] = {}
     if found is None or not isinstance(found.value, dict):
         return out
-    for entry in found.value.values():
+    for subkey, entry in found.value.items():
         if entry.value is None or entry.expiration_time <= now:
             continue
         try:
             rec = PeerRecord.parse_obj(entry.value)
         except (pv1.ValidationError, TypeError):
             continue  # the DHT validators should have rejected it; a node without them may still serve it
-        if rec.peer_id not in out or rec.time > out[rec.peer_id].time:
-            out[rec.peer_id] = rec
+        if peer_id_of(subkey) != rec.peer_id:
+            log.debug("record_not_bound subkey_owner=%s claims=%s", peer_id_of(subkey), rec.peer_id)
+            continue
+        out[rec.peer_id] = rec
+        if expirations is not None:
+            expirations[rec.peer_id] = entry.expiration_time
     return out
 
 

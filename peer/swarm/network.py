@@ -10,17 +10,29 @@ import asyncio
 import contextlib
 import logging
 import random
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import PeerID
 
 from gasloc.peer.swarm.absence import AbsenceWatch
-from gasloc.peer.swarm.membership import Membership, PeerRecord, make_validators
+from gasloc.peer.swarm.membership import (
+    IdentityError,
+    Membership,
+    PeerRecord,
+    load_identity,
+    make_validators,
+    peer_id_of,
+)
+from gasloc.peer.swarm.swarmkey import load_swarm_key
+from gasloc.protocol.auth import SwarmKeyError
 from gasloc.protocol.messages import PROTOCOL_VERSION
 from gasloc.runtime.aio import LoopThread
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
@@ -67,25 +79,65 @@ class Network:
         self._waiters: list[asyncio.Future] = []  # state-server requests waiting for the next round boundary
         self._waiters_lock = threading.Lock()
         self.absence: AbsenceWatch | None = None  # set when the loop that ticks it starts
+        self.swarm_key: bytes | None = None        # a private swarm's shared secret (swarm.key_path)
+        self._identity_dir: str | None = None      # temporary home of a per-start identity, removed at close
+
+    def _identity_path(self) -> tuple[str, bool]:
+        """The libp2p identity file and whether it is ours alone (made just now). Records are signed with this
+        key, so even a peer without --identity-path runs p2pd with a key file we can read (a fresh one)."""
+        from hivemind.p2p import P2P
+
+        path = self.cfg.network.identity_path
+        if path is not None:
+            path = Path(path).expanduser()
+            if not path.exists():
+                try:
+                    P2P.generate_identity(str(path))   # what p2pd would do, done first so that we can sign with it
+                except OSError as e:
+                    raise StartupError(f"cannot create identity file {path}: {e}") from None
+            return str(path), False
+        self._identity_dir = tempfile.mkdtemp(prefix="gasloc-identity-")   # mode 0700
+        fresh = str(Path(self._identity_dir) / "identity.key")
+        P2P.generate_identity(fresh)
+        return fresh, True
 
     # ------------------------------------------------------------------ startup (main thread)
     def start_dht(self) -> None:
         net = self.cfg.network
-        self.signer, validators = make_validators(self.cfg.swarm.run_id)
+        extra = {}
+        if self.cfg.swarm.key_path is not None:
+            from gasloc.peer.swarm.private import SwarmKeyAuthorizer
+            try:
+                self.swarm_key = load_swarm_key(self.cfg.swarm.key_path)
+            except SwarmKeyError as e:
+                raise StartupError(str(e)) from None
+            extra["authorizer"] = SwarmKeyAuthorizer(self.swarm_key)
+        identity_path, fresh = self._identity_path()
+        if fresh:
+            extra["check_if_identity_free"] = False   # a key made this instant cannot be in use elsewhere
+        try:
+            identity = load_identity(identity_path)
+        except IdentityError as e:
+            raise StartupError(str(e)) from None
+        # our records are signed with the libp2p identity itself: that binds them to our peer id
+        self.signer, validators = make_validators(self.cfg.swarm.run_id, identity)
         m = self.cfg.metrics
         p2pd_flags = {"metricsAddr": f"{m.host}:{m.p2pd_port}"} if m.p2pd_port else None
-        dht = SafeDHT(p2pd_flags=p2pd_flags, initial_peers=net.initial_peers or None, start=False, record_validators=validators,
+        dht = SafeDHT(p2pd_flags=p2pd_flags, initial_peers=net.initial_peers or None, start=False,
+                      record_validators=validators,
                       host_maddrs=net.listen_maddrs, announce_maddrs=net.announce_maddrs or None,
-                      identity_path=net.identity_path, startup_timeout=net.startup_timeout_s)
+                      identity_path=identity_path, startup_timeout=net.startup_timeout_s, **extra)
         self.dht = dht
         try:
             dht.run_in_background(await_ready=True, timeout=net.startup_timeout_s + 5)
         except Exception as e:  # noqa: BLE001 - whatever hivemind raised, the user gets one line and exit 1
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise StartupError(f"could not start the DHT node ({type(e).__name__}: {first}); check "
-                                   f"--initial-peers (are those peers running and reachable?) and "
-                                   f"--host-maddrs") from None
+                                   f"--initial-peers (are those peers running and reachable?), --host-maddrs, "
+                                   f"and --swarm-key (a private swarm ignores peers without its key)") from None
         self.peer_id = dht.peer_id.to_base58()
+        if peer_id_of(self.signer.local_public_key) != self.peer_id:   # others would drop every record of ours
+            raise StartupError(f"p2pd runs as {self.peer_id}, not as the identity in {identity_path}")
         self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
         if not net.initial_peers:
             public = [m for m in self.maddrs if "/127.0.0.1/" not in m and "/::1/" not in m] or self.maddrs
@@ -115,7 +167,8 @@ class Network:
         from gasloc.peer.transport.state_transfer import StateServer
 
         self.state_server = StateServer(self.p2p, self._get_state, self.fingerprint, self.cfg.swarm.run_id,
-                                        self.cfg.state_transfer,
+                                        self.cfg.state_transfer, is_member=self.confirm_member,
+                                        swarm_key=self.swarm_key,
                                         on_served=lambda **fields: self.emit("state_served", **fields))
         self.aio.run(self.state_server.start(), self.cfg.network.startup_timeout_s)
 
@@ -181,6 +234,21 @@ class Network:
     def is_member(self, peer_id: PeerID) -> bool:
         return str(peer_id) in self.live
 
+    async def confirm_member(self, peer_id: PeerID) -> bool:
+        """On the loop: whether `peer_id` is listed, waiting for at most two fresh listings when our cached one does
+        not name it. A joiner calls its donors right after its first announcement, before their next periodic
+        listing; a stranger costs at most a share of one DHT get (the lister serves every waiter at once)."""
+        deadline = time.monotonic() + LIST_PERIOD_S + self.membership.request_timeout_s
+        # two listings: the first may have been in flight before the caller's announcement reached the DHT
+        for _ in range(2):
+            if self.is_member(peer_id):
+                return True
+            before = self.listed_at
+            self.request_listing()
+            while self.listed_at == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        return self.is_member(peer_id)
+
     # ------------------------------------------------------------------ state transfer
     # A joiner's snapshot is taken only when one asks: a copy of the parameters and the outer state to the CPU is
     # 3x the model's size in host memory (8 GB per round at the 1b preset), wasted in every round nobody joins.
@@ -238,7 +306,8 @@ class Network:
         outer_specs = [(tuple(t.shape), t.dtype) for t in outer.state_dict().values()]
         log.info("join: downloading state, candidate donors=%d", len(donors))
         coro = download_state(self.p2p, [PeerID.from_base58(d) for d in donors], specs, self.fingerprint,
-                              self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs)
+                              self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs,
+                              swarm_key=self.swarm_key)
         try:
             metadata, tensors = self.aio.run(coro, self.cfg.swarm.join_timeout_s)
         except TimeoutError:
@@ -276,3 +345,5 @@ class Network:
             self.aio.stop()
         if self.dht is not None:
             shutdown_step("dht.shutdown", self.dht.shutdown)
+        if self._identity_dir is not None:
+            shutil.rmtree(self._identity_dir, ignore_errors=True)

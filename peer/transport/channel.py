@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 from pydantic import BaseModel
 
-from gasloc.protocol.wire import LENGTH_PREFIX_BYTES, decode_header, parse_length
+from gasloc.protocol.wire import LENGTH_PREFIX_BYTES, MAX_HEADER_BYTES, decode_header, parse_length
 
 STAGING_LIMIT_BYTES = 1 << 18
 _SCRATCH_BYTES = 1 << 16
@@ -235,7 +235,8 @@ class Channel(asyncio.BufferedProtocol):
         self._transport.abort()
 
 
-async def read_header(ch: Channel, cls: type[H]) -> H:
-    """Read one length-prefixed header frame; WireError when it is oversized or malformed."""
-    n = parse_length(await ch.readexactly(LENGTH_PREFIX_BYTES))
+async def read_header(ch: Channel, cls: type[H], max_bytes: int = MAX_HEADER_BYTES) -> H:
+    """Read one length-prefixed header frame of at most `max_bytes`; WireError when it is oversized or malformed
+    (an oversized one before a byte of its body is read)."""
+    n = parse_length(await ch.readexactly(LENGTH_PREFIX_BYTES), max_bytes)
     return decode_header(await ch.readexactly(n), cls)

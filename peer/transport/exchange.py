@@ -12,8 +12,13 @@ Failure semantics (what the daemon may rely on):
 - An exchange is `ok` only if both payloads arrived whole, ours passed the partner's checks and theirs passed ours
   (the verdict bytes). Anything else returns tensors=None: a half-received partner state is never returned, and the
   offered tensors are never written to.
-- Everything a partner declares is validated before a byte of payload is buffered: version, fingerprint, live
-  membership, wire dtype, declared size <= max_message_bytes, tensor count, shapes and dtypes; values are checked
+- Who before what: a caller that is not a live member gets NOT_MEMBER before we read a byte from it; its header
+  may be at most our own header's size plus slack (`header_cap`), and in a private swarm it must carry the proof
+  of the swarm key bound to both peer ids (else NOT_AUTHORIZED, and an initiator sends nothing to a responder
+  whose OK lacks its own proof). At most `max_concurrent_handlers` callers are served at once; more are closed
+  on unread.
+- Everything a partner declares is validated before a byte of payload is buffered: version, fingerprint,
+  wire dtype, declared size <= max_message_bytes, tensor count, shapes and dtypes; values are checked
   finite after receipt. Receive buffers are sized from OUR specs, so memory is bounded by our own model size.
 - Every wait has a deadline: accept_timeout_s for the handshake, exchange_timeout_s for the whole exchange. A
   partner killed with kill -9 is seen at once (p2pd resets the stream); a silent one at the deadline.
@@ -44,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
 from gasloc.peer.transport.lanes import LaneRegistry, move, open_lanes
 from gasloc.peer.transport.tensor_io import finish_received, in_thread, to_wire, torch_dtype
+from gasloc.protocol.auth import EXCHANGE_ANSWER, EXCHANGE_CALL, PROOF_HEX_CHARS, proof_ok, stream_proof
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     MAX_STREAMS,
@@ -53,7 +59,7 @@ from gasloc.protocol.messages import (
     TensorSpec,
     payload_bytes,
 )
-from gasloc.protocol.wire import WireError, check_reply, check_request, encode_header, lane_count
+from gasloc.protocol.wire import WireError, check_reply, check_request, encode_header, header_cap, lane_count
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +92,9 @@ class ExchangeConfig(BaseModel):
                                          "this many bytes/s each way is on a fast link: there the CPU, not the "
                                          "stream window, is the limit, and extra streams only cost CPU")
     fast_link_streams: int = Field(4, ge=1, le=MAX_STREAMS, description="streams per exchange with such a partner")
+    max_concurrent_handlers: int = Field(8, ge=1, le=1024, description="callers served at once (all but one get "
+                                         "BUSY or a rejection); more are closed unread, so strangers cannot "
+                                         "pile up work")
 
     @model_validator(mode="after")
     def _accept_within_exchange(self) -> ExchangeConfig:
@@ -163,15 +172,25 @@ class Exchanger:
 
     def __init__(self, cfg: ExchangeConfig, p2p: P2P, *, specs: Sequence[SpecLike], fingerprint: str,
                  is_member: Callable[[PeerID], bool], namespace: str,
-                 declines: Callable[[PeerID], str | None] = lambda peer_id: None):
+                 declines: Callable[[PeerID], str | None] = lambda peer_id: None, swarm_key: bytes | None = None):
         self.cfg, self.p2p = cfg, p2p
         self.specs = [s if isinstance(s, TensorSpec) else TensorSpec.of(*s) for s in specs]
         self.fingerprint, self.is_member = fingerprint, is_member
         self.declines = declines       # partner policy: a reason to answer a valid caller busy, or None
+        self.swarm_key = swarm_key     # a private swarm's secret: every exchange proves it (protocol/auth.py)
         self.handler_name = f"{namespace}::gasloc.exchange.v{PROTOCOL_VERSION}"
         self.lane_name = f"{namespace}::gasloc.exchange-lane.v{PROTOCOL_VERSION}"
         self._lanes = LaneRegistry(hello_timeout_s=cfg.accept_timeout_s)
         self.max_message_bytes = cfg.max_message_bytes or payload_bytes(self.specs, "float32")
+        # the longest header we read: our own request or reply for these specs, fully filled, plus slack
+        widest = ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint="f" * 128, round=2**62,
+                                 wire_dtype="bfloat16", specs=tuple(self.specs), total_bytes=2**62,
+                                 streams=MAX_STREAMS, auth="a" * PROOF_HEX_CHARS)
+        self.max_header_bytes = header_cap(ExchangeReply(
+            protocol_version=PROTOCOL_VERSION, code=0, message="m" * 512, fingerprint=widest.fingerprint,
+            round=widest.round, wire_dtype=widest.wire_dtype, specs=widest.specs, total_bytes=widest.total_bytes,
+            token="t" * 64, auth=widest.auth))
+        self.rejected_unread = 0       # callers closed before a byte was read (over the handler cap)
         self._local_dtypes = [torch_dtype(s.dtype) for s in self.specs]
         self._offer: _Offer | None = None
         self._engagement: _Engagement | None = None
@@ -290,6 +309,7 @@ class Exchanger:
         if not self.is_member(peer_id):
             return result(Outcome.rejected, Code.NOT_MEMBER, "local: partner is not a live member")
         eng = self._engagement = _Engagement("initiator", partner, asyncio.current_task())
+        me = self._me()
         phase = "connect"
         total = payload_bytes(self.specs, self.cfg.wire_dtype)
         rate = self._rates.get(partner)
@@ -304,15 +324,20 @@ class Exchanger:
                     phase = "handshake"
                     request = ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint=self.fingerprint,
                                               round=offer.round, wire_dtype=self.cfg.wire_dtype,
-                                              specs=tuple(self.specs), total_bytes=total, streams=lanes)
+                                              specs=tuple(self.specs), total_bytes=total, streams=lanes,
+                                              auth=self._proof(EXCHANGE_CALL, me, partner))
                     await channels[0].write(encode_header(request))
-                    reply = await read_header(channels[0], ExchangeReply)
+                    reply = await read_header(channels[0], ExchangeReply, self.max_header_bytes)
                     code, why = check_reply(reply, expected_specs=self.specs, fingerprint=self.fingerprint,
                                             max_bytes=self.max_message_bytes)
                     if code == Code.BUSY:
                         return result(Outcome.busy, code, f"partner: {why}")
                     if code != Code.OK:
                         return result(Outcome.rejected, code, why)
+                    if not proof_ok(self.swarm_key, reply.auth, EXCHANGE_ANSWER, me, partner):
+                        # it accepted without proving the key: it is no member of our private swarm, it gets
+                        # none of our bytes
+                        return result(Outcome.rejected, Code.NOT_AUTHORIZED, "partner did not prove the swarm key")
                     if lanes > 1:
                         if not reply.token:
                             return result(Outcome.rejected, Code.BAD_HEADER, "OK reply without a lane token")
@@ -336,10 +361,23 @@ class Exchanger:
 
     # ---- responder ----
 
+    def _me(self) -> str:
+        return self.p2p.peer_id.to_base58()
+
+    def _proof(self, purpose: str, caller: str, callee: str) -> str:
+        return "" if self.swarm_key is None else stream_proof(self.swarm_key, purpose, caller, callee)
+
     async def _handle(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ch = Channel.take_over(reader, writer)
+        if len(self._handlers) >= self.cfg.max_concurrent_handlers:
+            # a flood of callers: close unread (an answer would cost a write and a wait per caller)
+            self.rejected_unread += 1
+            log.debug("exchange role=responder partner=%s refused=handler_cap handlers=%d", stream_info.peer_id,
+                      len(self._handlers))
+            ch.close()
+            return
         task = asyncio.current_task()
         self._handlers.add(task)
-        ch = Channel.take_over(reader, writer)
         try:
             await self._respond(ch, stream_info.peer_id)
         except asyncio.CancelledError:
@@ -364,16 +402,25 @@ class Exchanger:
     async def _respond(self, ch: Channel, peer_id: PeerID) -> None:
         partner = str(peer_id)
         t0 = time.monotonic()
-        try:
-            async with asyncio.timeout(self.cfg.accept_timeout_s):
-                request = await read_header(ch, ExchangeRequest)
-        except WireError as e:
-            return await self._reply(ch, partner, e.code, str(e))
-        except (TimeoutError, *STREAM_ERRORS) as e:
-            log.debug("exchange role=responder partner=%s no_request=%s: %s", partner, type(e).__name__, e)
-            return
+        # the caller's transport identity (authenticated by p2pd's TLS/Noise) first, before reading anything
         if not self.is_member(peer_id):
             return await self._reply(ch, partner, Code.NOT_MEMBER, "you are not a live member of this run")
+        try:
+            async with asyncio.timeout(self.cfg.accept_timeout_s):
+                request = await read_header(ch, ExchangeRequest, self.max_header_bytes)
+        except WireError as e:
+            return await self._reply(ch, partner, e.code, str(e))
+        except asyncio.IncompleteReadError:
+            # the caller closed its side mid-header: it may still read, so it gets its code
+            return await self._reply(ch, partner, Code.BAD_HEADER, "the request header was cut short")
+        except TimeoutError:
+            return await self._reply(ch, partner, Code.TIMEOUT, "no request header within accept_timeout_s")
+        except STREAM_ERRORS as e:
+            log.debug("exchange role=responder partner=%s no_request=%s: %s", partner, type(e).__name__, e)
+            return
+        me = self._me()
+        if not proof_ok(self.swarm_key, request.auth, EXCHANGE_CALL, partner, me):
+            return await self._reply(ch, partner, Code.NOT_AUTHORIZED, "no valid proof of this swarm's key")
         code, why = check_request(request, expected_specs=self.specs, fingerprint=self.fingerprint,
                                   max_bytes=self.max_message_bytes)
         if code != Code.OK:
@@ -396,7 +443,8 @@ class Exchanger:
                 reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(Code.OK),
                                       fingerprint=self.fingerprint, round=offer.round, wire_dtype=self.cfg.wire_dtype,
                                       specs=tuple(self.specs),
-                                      total_bytes=payload_bytes(self.specs, self.cfg.wire_dtype), token=token)
+                                      total_bytes=payload_bytes(self.specs, self.cfg.wire_dtype), token=token,
+                                      auth=self._proof(EXCHANGE_ANSWER, partner, me))
                 await ch.write(encode_header(reply))
                 if lane_waiters:
                     phase = "waiting for lanes"

@@ -25,7 +25,7 @@ from hivemind.p2p import P2P, PeerID
 from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
 from gasloc.peer.transport.tensor_io import byte_view
 from gasloc.protocol.messages import PROTOCOL_VERSION, LaneHello
-from gasloc.protocol.wire import WireError, encode_header, lane_segments
+from gasloc.protocol.wire import SMALL_HEADER_BYTES, WireError, encode_header, lane_segments
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,14 @@ class LaneRegistry:
         """The lane stream handler: attach the stream to its exchange, or close it."""
         ch = Channel.take_over(reader, writer)
         partner = str(stream_info.peer_id)
+        if not any(e.partner == partner for e in self._expected.values()):
+            # who before what: only a partner whose exchange we accepted may open lanes; nobody else gets a read
+            log.debug("lane partner=%s refused=no_accepted_exchange", partner)
+            ch.close()
+            return
         try:
             async with asyncio.timeout(self.hello_timeout_s):
-                hello = await read_header(ch, LaneHello)
+                hello = await read_header(ch, LaneHello, SMALL_HEADER_BYTES)
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
             log.debug("lane partner=%s refused=no_hello detail=%s: %s", partner, type(e).__name__, e)
             ch.close()

@@ -5,6 +5,13 @@ metadata, specs, total_bytes and the sha256 of the payload), then the payload: e
 Tensors are the donor's parameters followed by `num_outer` outer-optimizer state tensors (the daemon puts
 `"num_outer": k` in the metadata when it serves outer state; 0 or absent means parameters only).
 
+The donor checks who before what: a caller that is not a live member (asked through `is_member`, which may take
+a fresh listing) gets NOT_MEMBER before a byte is read; at most `max_concurrent_requests` callers are handled at
+once (more are closed unread); the request header is capped at SMALL_HEADER_BYTES; in a private swarm it must
+carry the proof of the swarm key (NOT_AUTHORIZED), and the reply carries the donor's, without which the joiner
+takes nothing. A joiner that received a whole state is refused further ones (RATE_LIMITED) for
+`min_request_interval_s`, so nobody can keep a donor snapshotting, hashing and sending its state.
+
 The joiner validates before buffering (version, fingerprint, specs equal to what it expects, declared size within
 the cap) and after (sha256, finite values). A donor that is busy, dies, stalls past `per_donor_timeout_s` or sends
 garbage is skipped and the next one is tried; only a fully verified state is returned.
@@ -16,6 +23,7 @@ import hashlib
 import inspect
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -26,9 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
 from gasloc.peer.transport.exchange import SpecLike
 from gasloc.peer.transport.tensor_io import byte_view, in_thread, is_finite, torch_dtype
+from gasloc.protocol.auth import PROOF_HEX_CHARS, STATE_ANSWER, STATE_CALL, proof_ok, stream_proof
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import PROTOCOL_VERSION, StateReply, StateRequest, TensorSpec, payload_bytes
-from gasloc.protocol.wire import WireError, check_state_reply, encode_header
+from gasloc.protocol.wire import SMALL_HEADER_BYTES, WireError, check_state_reply, encode_header, header_cap
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +58,10 @@ class StateTransferConfig(BaseModel):
     max_state_bytes: int | None = Field(None, gt=0, description="cap on a donor's declared payload; default: "
                                         "exactly what the expected specs imply")
     chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="bytes per write on the donor side")
+    max_concurrent_requests: int = Field(4, ge=1, le=1024, description="joiners' requests handled at once by a "
+                                         "donor (one is served, the others answered BUSY); more are closed unread")
+    min_request_interval_s: float = Field(30.0, ge=0, description="a donor serves one joiner a whole state at "
+                                          "most once per this many seconds (RATE_LIMITED otherwise); 0: no limit")
 
 
 def handler_name(namespace: str) -> str:
@@ -67,11 +80,15 @@ class StateServer:
     concurrent joiner gets BUSY and tries another donor."""
 
     def __init__(self, p2p: P2P, get_state: GetState, fingerprint: str, namespace: str,
-                 cfg: StateTransferConfig | None = None, on_served: Callable[..., None] | None = None):
+                 cfg: StateTransferConfig | None = None, *, is_member: Callable[[PeerID], Awaitable[bool]],
+                 swarm_key: bytes | None = None, on_served: Callable[..., None] | None = None):
         self.p2p, self.get_state, self.fingerprint = p2p, get_state, fingerprint
         self.on_served = on_served or (lambda **fields: None)  # one call per served download (metrics)
         self.cfg = cfg or StateTransferConfig()
         self.name = handler_name(namespace)
+        self.is_member, self.swarm_key = is_member, swarm_key
+        self._served_at: OrderedDict[str, float] = OrderedDict()   # joiner -> when it last got a whole state
+        self.bytes_served = 0
         self._serving = False
         self._started = False
         self._tasks: set[asyncio.Task] = set()
@@ -97,24 +114,43 @@ class StateServer:
         await ch.discard_until_eof(timeout=1.0)
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        self._tasks.add(task)
         ch = Channel.take_over(reader, writer)
         joiner = str(info.peer_id)
+        if len(self._tasks) >= self.cfg.max_concurrent_requests:
+            log.debug("state_serve joiner=%s refused=request_cap", joiner)
+            ch.close()
+            return
+        task = asyncio.current_task()
+        self._tasks.add(task)
         try:
             async with asyncio.timeout(self.cfg.per_donor_timeout_s):
+                # who before what: the caller's transport identity against the membership, before any read
+                async with asyncio.timeout(self.cfg.accept_timeout_s):
+                    member = await self.is_member(info.peer_id)
+                if not member:
+                    return await self._reply(ch, Code.NOT_MEMBER, "you are not a live member of this run")
                 try:
                     async with asyncio.timeout(self.cfg.accept_timeout_s):
-                        request = await read_header(ch, StateRequest)
+                        request = await read_header(ch, StateRequest, SMALL_HEADER_BYTES)
                 except WireError as e:
                     return await self._reply(ch, e.code, str(e))
+                except asyncio.IncompleteReadError:
+                    return await self._reply(ch, Code.BAD_HEADER, "the request header was cut short")
+                me = self.p2p.peer_id.to_base58()
+                if not proof_ok(self.swarm_key, request.auth, STATE_CALL, joiner, me):
+                    return await self._reply(ch, Code.NOT_AUTHORIZED, "no valid proof of this swarm's key")
                 if request.fingerprint != self.fingerprint:
                     return await self._reply(ch, Code.BAD_FINGERPRINT, "fingerprint differs from the donor's")
+                last = self._served_at.get(joiner)
+                if last is not None and time.monotonic() - last < self.cfg.min_request_interval_s:
+                    ago = time.monotonic() - last
+                    return await self._reply(ch, Code.RATE_LIMITED, f"you got my whole state {ago:.0f} s ago; at "
+                                             f"most one per {self.cfg.min_request_interval_s:.0f} s")
                 if self._serving:
                     return await self._reply(ch, Code.BUSY, "serving another joiner")
                 self._serving = True
                 try:
-                    await self._serve(ch, joiner)
+                    await self._serve(ch, joiner, me)
                 finally:
                     self._serving = False
         except (TimeoutError, *STREAM_ERRORS) as e:
@@ -127,7 +163,7 @@ class StateServer:
             self._tasks.discard(task)
             ch.close()
 
-    async def _serve(self, ch: Channel, joiner: str) -> None:
+    async def _serve(self, ch: Channel, joiner: str, me: str) -> None:
         t0 = time.monotonic()
         state = self.get_state()
         if inspect.isawaitable(state):
@@ -141,10 +177,14 @@ class StateServer:
         specs = tuple(TensorSpec.of(t.shape, t.dtype) for t in tensors)
         reply = StateReply(protocol_version=PROTOCOL_VERSION, code=int(Code.OK), fingerprint=self.fingerprint,
                            round=int(metadata.get("round", 0)), num_outer=int(metadata.get("num_outer", 0)),
-                           metadata=metadata, specs=specs, total_bytes=payload_bytes(specs), sha256=digest)
+                           metadata=metadata, specs=specs, total_bytes=payload_bytes(specs), sha256=digest,
+                           auth="" if self.swarm_key is None else stream_proof(self.swarm_key, STATE_ANSWER, joiner,
+                                                                                  me))
         await ch.write(encode_header(reply))
+        self._remember_served(joiner)     # counts from the first payload byte: a cut transfer also used us
         for t in tensors:
             await ch.write(byte_view(t), self.cfg.chunk_bytes)
+            self.bytes_served += t.numel() * t.element_size()
         # wait for the joiner's 1-byte verdict so that closing does not cut the tail of the payload
         verdict = Code.parse((await ch.readexactly(1))[0])
         seconds = time.monotonic() - t0
@@ -152,24 +192,42 @@ class StateServer:
                  joiner, verdict.name, reply.total_bytes / 1e6, seconds)
         self.on_served(joiner=joiner, outcome=verdict.name, bytes=reply.total_bytes, seconds=seconds)
 
+    def _remember_served(self, joiner: str) -> None:
+        if len(self._served_at) >= 4096:             # bounded: forget the oldest joiner
+            self._served_at.popitem(last=False)
+        self._served_at.pop(joiner, None)
+        self._served_at[joiner] = time.monotonic()
+
+
+def _reply_cap(specs: list[TensorSpec]) -> int:
+    """The longest state reply a donor of these tensors sends (its metadata is small), plus slack."""
+    return header_cap(StateReply(protocol_version=PROTOCOL_VERSION, code=0, message="m" * 512, fingerprint="f" * 128,
+                                 round=2**62, num_outer=2**62, metadata={"m" * 64: "m" * 512},
+                                 specs=tuple(TensorSpec(shape=s.shape, dtype="bfloat16") for s in specs),
+                                 total_bytes=2**62, sha256="s" * 64, auth="a" * PROOF_HEX_CHARS))
+
 
 async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorSpec],
-                         outer_specs: list[TensorSpec] | None, fingerprint: str, cfg: StateTransferConfig
-                         ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+                         outer_specs: list[TensorSpec] | None, fingerprint: str, cfg: StateTransferConfig,
+                         swarm_key: bytes | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
     ch: Channel | None = None
+    me, them = p2p.peer_id.to_base58(), donor.to_base58()
     try:
         async with asyncio.timeout(cfg.per_donor_timeout_s):
             async with asyncio.timeout(cfg.accept_timeout_s):
                 _, reader, writer = await p2p.call_binary_stream_handler(donor, name)
                 ch = Channel.take_over(reader, writer)
-                await ch.write(encode_header(StateRequest(protocol_version=PROTOCOL_VERSION,
-                                                          fingerprint=fingerprint)))
-                reply = await read_header(ch, StateReply)
+                await ch.write(encode_header(StateRequest(
+                    protocol_version=PROTOCOL_VERSION, fingerprint=fingerprint,
+                    auth="" if swarm_key is None else stream_proof(swarm_key, STATE_CALL, me, them))))
+                reply = await read_header(ch, StateReply, _reply_cap(specs + (outer_specs or [])))
             cap = cfg.max_state_bytes or payload_bytes(specs + (outer_specs or []))
             code, why = check_state_reply(reply, expected_specs=specs, outer_specs=outer_specs,
                                           fingerprint=fingerprint, max_bytes=cap)
             if code != Code.OK:
                 raise WireError(code, why)
+            if not proof_ok(swarm_key, reply.auth, STATE_ANSWER, me, them):
+                raise WireError(Code.NOT_AUTHORIZED, "donor did not prove the swarm key")
             # buffers sized from the validated specs, which equal ours: bounded by our own state size
             tensors = [torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for s in reply.specs]
             for t in tensors:
@@ -198,7 +256,7 @@ class StateDownloadError(Exception):
 
 async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[SpecLike], fingerprint: str,
                          cfg: StateTransferConfig, namespace: str, *,
-                         outer_specs: Sequence[SpecLike] | None = None
+                         outer_specs: Sequence[SpecLike] | None = None, swarm_key: bytes | None = None
                          ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """The state of the first donor (in the given order) that delivers a verified one: (metadata, tensors).
 
@@ -212,7 +270,7 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
     failures: list[str] = []
     pending = list(donors)
     while pending:
-        busy = await _try_donors(p2p, pending, namespace, want, want_outer, fingerprint, cfg, failures)
+        busy = await _try_donors(p2p, pending, namespace, want, want_outer, fingerprint, cfg, failures, swarm_key)
         if isinstance(busy, tuple):
             return busy
         # a BUSY donor serves another joiner or takes our snapshot at its next round boundary: ask it again (the
@@ -225,14 +283,15 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
 
 async def _try_donors(p2p: P2P, donors: Sequence[PeerID], namespace: str, want: list[TensorSpec],
                       want_outer: list[TensorSpec] | None, fingerprint: str, cfg: StateTransferConfig,
-                      failures: list[str]) -> tuple[dict[str, Any], list[torch.Tensor]] | list[PeerID]:
+                      failures: list[str], swarm_key: bytes | None
+                      ) -> tuple[dict[str, Any], list[torch.Tensor]] | list[PeerID]:
     """One pass over the donors: the first verified state, else the donors that answered BUSY."""
     busy = []
     for donor in donors:
         t0 = time.monotonic()
         try:
             metadata, tensors = await _download_from(p2p, donor, handler_name(namespace), want, want_outer,
-                                                     fingerprint, cfg)
+                                                     fingerprint, cfg, swarm_key)
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
             code = e.code.name if isinstance(e, WireError) else ("TIMEOUT" if isinstance(e, TimeoutError) else
                                                                    "FAILED")

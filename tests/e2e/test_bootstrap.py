@@ -154,16 +154,20 @@ def test_logs_swarm_size_of_the_run(harness):
     import asyncio
 
     import hivemind
+    from hivemind.p2p import P2P
 
-    from gasloc.peer.swarm.membership import Membership, make_validators
+    from gasloc.peer.swarm.membership import Membership, load_identity, make_validators
 
     boot = harness.bootstrap("boot", "--run-id", "e2e-run", "--log-interval-s", "0.5")
     dhts = []
     try:
         for i in range(2):
-            signer, validators = make_validators("e2e-run")
+            # records count only when signed with the announcing node's own libp2p identity key
+            key = harness.dir(f"node{i}") / "identity.key"
+            P2P.generate_identity(str(key))
+            signer, validators = make_validators("e2e-run", load_identity(key))
             dht = hivemind.DHT(initial_peers=boot.maddrs, start=True, host_maddrs=[LOOPBACK],
-                               record_validators=validators)
+                               record_validators=validators, identity_path=str(key))
             dhts.append(dht)
             m = Membership(dht, signer, run_id="e2e-run", peer_id=str(dht.peer_id), fingerprint="f", protocol=1,
                            ttl_s=60)

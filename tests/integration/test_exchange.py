@@ -37,11 +37,11 @@ def tensors(seed, shapes=SHAPES):
     return [torch.randn(s, generator=g) for s in shapes]
 
 
-def exchanger(p2p, shapes=SHAPES, members=None, declines=lambda peer: None, **cfg):
+def exchanger(p2p, shapes=SHAPES, members=None, declines=lambda peer: None, swarm_key=None, **cfg):
     cfg.setdefault("exchange_timeout_s", 10.0)
     return Exchanger(ExchangeConfig(**cfg), p2p, specs=[(s, torch.float32) for s in shapes], fingerprint=FP,
                      is_member=(lambda peer: True) if members is None else (lambda peer: str(peer) in members),
-                     namespace=NS, declines=declines)
+                     namespace=NS, declines=declines, swarm_key=swarm_key)
 
 
 def assert_unchanged(offered, saved):

@@ -28,9 +28,16 @@ def state(seed, shapes=SHAPES):
     return [torch.randn(s, generator=g) for s in shapes]
 
 
-def server(p2p, tensors, metadata=None, fp=FP):
+async def anyone(peer_id) -> bool:
+    return True
+
+
+def server(p2p, tensors, metadata=None, fp=FP, cfg=None, is_member=anyone, swarm_key=None):
     meta = {"round": 12, "run": "r1"} if metadata is None else metadata
-    return StateServer(p2p, lambda: (dict(meta), [t.clone() for t in tensors]), fp, NS)
+    # no rate limit unless a test asks for one: several tests download from one donor in a row
+    return StateServer(p2p, lambda: (dict(meta), [t.clone() for t in tensors]), fp, NS,
+                       cfg or StateTransferConfig(min_request_interval_s=0), is_member=is_member,
+                       swarm_key=swarm_key)
 
 
 CFG = StateTransferConfig(per_donor_timeout_s=10, accept_timeout_s=3)
@@ -138,7 +145,7 @@ def test_a_donor_without_a_snapshot_answers_busy_and_the_joiner_asks_again():
                 await boundary.wait()     # the next request waits for the boundary, which comes
                 return {"round": 4}, [t.clone() for t in params]
 
-            s = StateServer(donor, get_state, FP, NS)
+            s = StateServer(donor, get_state, FP, NS, is_member=anyone)  # default rate limit: a BUSY is no download
             await s.start()
             asyncio.get_running_loop().call_later(0.8, boundary.set)
             meta, got = await download_state(joiner, [donor.peer_id], SPECS, FP, CFG, NS)

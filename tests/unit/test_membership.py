@@ -1,4 +1,5 @@
-"""The swarm's membership record: schema and signature checks as a DHT node applies them, and the listing rules."""
+"""The swarm's membership record: schema and signature checks as a DHT node applies them, the binding of a record
+to its owner's peer id, and the listing rules."""
 from __future__ import annotations
 
 import time
@@ -10,11 +11,14 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from gasloc.peer.swarm.membership import (
+    IdentityError,
     Membership,
     PeerRecord,
     compatible,
+    load_identity,
     make_validators,
     parse_listing,
+    peer_id_of,
     peers_key,
     status_view,
 )
@@ -87,23 +91,80 @@ def _listing(entries: dict) -> ValueWithExpiration:
     return ValueWithExpiration({k: ValueWithExpiration(v, exp) for k, (v, exp) in entries.items()}, time.time() + 60)
 
 
-def test_parse_listing_drops_withdrawn_expired_and_malformed():
+@pytest.fixture(scope="module")
+def identities(tmp_path_factory):
+    """Four libp2p identities (as p2pd would run with): peer id -> the subkey its records are stored under."""
+    from hivemind.p2p import P2P, PeerID
+    out = {}
+    for i in range(4):
+        path = tmp_path_factory.mktemp("id") / f"k{i}"
+        P2P.generate_identity(str(path))
+        signer, _ = make_validators(RUN, load_identity(path))
+        out[PeerID.from_identity(path.read_bytes()).to_base58()] = signer.local_public_key
+    return out
+
+
+def test_the_record_key_is_the_libp2p_identity(identities):
+    # the subkey derives to exactly the peer id that p2pd shows (PeerID.from_identity of the same key file)
+    for pid, subkey in identities.items():
+        assert peer_id_of(subkey) == pid
+    assert peer_id_of(b"no key in here") is None and peer_id_of(None) is None
+
+
+def test_an_identity_file_that_is_no_rsa_key_is_one_line(tmp_path):
+    bad = tmp_path / "k"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(IdentityError, match="not a libp2p private key"):
+        load_identity(bad)
+    with pytest.raises(IdentityError, match="cannot read"):
+        load_identity(tmp_path / "missing")
+
+
+def test_parse_listing_drops_withdrawn_expired_and_malformed(identities):
     now = time.time()
+    (a, sa), (b, sb), (c, sc), (d, sd) = identities.items()
     found = _listing({
-        b"a": (_record(peer_id="A"), now + 10),
-        b"b": (None, now + 10),                       # withdrawn
-        b"c": (_record(peer_id="C"), now - 1),        # expired
-        b"d": ({"peer_id": "D"}, now + 10),           # malformed (a node without validators served it)
+        sa: (_record(peer_id=a), now + 10),
+        sb: (None, now + 10),                       # withdrawn
+        sc: (_record(peer_id=c), now - 1),          # expired
+        sd: ({"peer_id": d}, now + 10),             # malformed (a node without validators served it)
     })
-    assert set(parse_listing(found, now)) == {"A"}
+    assert set(parse_listing(found, now)) == {a}
     assert parse_listing(None, now) == {}
 
 
-def test_parse_listing_keeps_the_newest_record_of_a_peer_id():
+def test_a_forged_record_for_a_live_peer_leaves_the_victim_listed(identities):
+    # Formerly (issue 11) any RSA key could sign a record naming any peer id, the newest self-declared time won,
+    # and one forged record with another fingerprint or state "joining" made every peer drop the victim.
     now = time.time()
-    found = _listing({b"old": (_record(peer_id="A", round=1, time=now - 5), now + 10),
-                      b"new": (_record(peer_id="A", round=2, time=now), now + 10)})
-    assert parse_listing(found, now)["A"].round == 2
+    (victim, sv), (attacker, sa), (_, sx), _ = identities.items()
+    honest = _record(peer_id=victim, state="exchanging", time=now - 5)
+    found = _listing({
+        sv: (honest, now + 10),
+        sa: (_record(peer_id=victim, fingerprint="other", state="joining", round=10**9, time=now + 1e6), now + 10),
+        sx: (_record(peer_id=victim, bandwidth_bps=1e30, time=now + 1e6), now + 10),   # and a second forger
+    })
+    exp: dict[str, float] = {}
+    listing = parse_listing(found, now, expirations=exp)
+    assert set(listing) == {victim}                   # no entry under the forgers' own ids either: not theirs
+    assert listing[victim].dict() == PeerRecord(**honest).dict()
+    assert set(compatible(listing, peer_id="me", fingerprint="abc", protocol=1)) == {victim}
+    assert exp == {victim: now + 10}
+
+
+def test_freshness_is_the_dht_expiration_never_the_self_declared_time(identities, two_peers):
+    from gasloc.peer.swarm.membership import Membership
+    (sig_a, _), _ = two_peers
+    (fresh, sf), (stale, ss), _, _ = identities.items()
+    now = time.time()
+    m = Membership(None, sig_a, run_id=RUN, peer_id="me", fingerprint="abc", protocol=1, ttl_s=6.0)
+    # `stale` claims to have announced in the far future; its DHT entry expires in 1 s all the same
+    listing = parse_listing(_listing({sf: (_record(peer_id=fresh, time=now - 100), now + 30),
+                                      ss: (_record(peer_id=stale, time=now + 1e9), now + 1)}), now,
+                            expirations=m.expirations)
+    assert set(listing) == {fresh, stale}
+    m.expirations[stale] = now - 0.1     # ...and that moment passed while the DHT did not answer
+    assert set(m.prune(listing)) == {fresh}
 
 
 def test_compatible_peers_share_fingerprint_and_protocol_and_exclude_self():
@@ -117,8 +178,9 @@ def test_a_failed_listing_keeps_the_last_one_minus_what_must_have_expired(two_pe
     (sig_a, _), _ = two_peers
     m = Membership(None, sig_a, run_id=RUN, peer_id="me", fingerprint="abc", protocol=1, ttl_s=6.0)
     now = time.time()
-    last = {"fresh": PeerRecord(**_record(peer_id="fresh", time=now - 1.0)),
-            "stale": PeerRecord(**_record(peer_id="stale", time=now - 7.0))}
+    last = {"fresh": PeerRecord(**_record(peer_id="fresh")), "stale": PeerRecord(**_record(peer_id="stale")),
+            "unknown": PeerRecord(**_record(peer_id="unknown"))}
+    m.expirations = {"fresh": now + 5.0, "stale": now - 1.0}
     assert set(m.prune(last)) == {"fresh"}
 
 

@@ -22,12 +22,15 @@ import click
 @click.option("--host-maddrs", multiple=True, help="listen multiaddr (repeatable); overrides --port")
 @click.option("--announce-maddrs", multiple=True, help="multiaddr other peers should dial (repeatable)")
 @click.option("--identity-path", type=click.Path(dir_okay=False), help="key file for a stable peer id")
+@click.option("--reachability", type=click.Choice(["auto", "public", "private"]),
+              help="can others dial this peer? auto: probe at start; private: behind NAT without a port forward "
+              "[auto]")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="training device [auto]")
 @click.option("--max-rounds", type=int, help="stop after this many outer rounds [run until stopped]")
 @click.option("--max-seconds", type=float, help="stop after this many seconds of training")
 @click.option("--no-checkpoint", is_flag=True, help="neither write checkpoints nor resume from them")
 def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, port, host_maddrs, announce_maddrs,
-         identity_path, device, max_rounds, max_seconds, no_checkpoint) -> None:
+         identity_path, reachability, device, max_rounds, max_seconds, no_checkpoint) -> None:
     """Join a training swarm (or start one) and train until Ctrl+C or SIGTERM."""
     from gasloc.peer.config import PeerConfig
     from gasloc.runtime.config import ConfigError, dump_toml, resolve
@@ -35,7 +38,8 @@ def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, p
     flags = {
         "network.initial_peers": initial_peers, "swarm.run_id": run_id, "run.run_dir": run_dir,
         "outer.algorithm": algorithm, "network.port": port, "network.host_maddrs": host_maddrs,
-        "network.announce_maddrs": announce_maddrs, "network.identity_path": identity_path, "run.device": device,
+        "network.announce_maddrs": announce_maddrs, "network.identity_path": identity_path,
+        "network.reachability": reachability, "run.device": device,
         "run.max_rounds": max_rounds, "run.max_seconds": max_seconds,
     }
     try:

@@ -33,6 +33,9 @@ class Code(IntEnum):
     TIMEOUT = 10, "You were too slow: my deadline passed before we finished."
     INTERNAL = 11, "Something failed on my side; not your fault, try later or elsewhere."
     BAD_CHECKSUM = 12, "Your payload does not match the checksum your header declared."
+    NOT_ATTACHED = 13, "The peer you want me to forward to is not attached to me: I have no way to reach it."
+    FORWARD_FULL = 14, "I already forward as many circuits (or hold as many attached peers) as I volunteer for."
+    NOT_FORWARDING = 15, "I do not forward for others (I am not publicly reachable, or I did not volunteer)."
 
     @classmethod
     def parse(cls, value: int) -> Code:

@@ -19,6 +19,8 @@ Rules (their reasons are in protocol/partners.py):
 - the search ends at `partner_deadline_s`; an overlapped search (outer.overlap) also not before the cut, the end
   of our next inner phase, and its window is the longer of the two;
 - nobody else live: finish at once (nobody can become ready);
+- never call a peer in `uncallable` (a public peer does not call one behind NAT: that one calls; protocol/reach.py),
+  but keep waiting for its call;
 - pick among ready peers not in backoff, passing over our recent partners, and (with slower_link_ratio, in a
   "picky" search) peers on much slower links, for the first half of the window;
 - BUSY from the partner: a short cooldown for it and a random pause for us (two peers that called each other at
@@ -78,6 +80,7 @@ class Sight:
     cut: bool = True
     stopping: bool = False
     engaged_as_responder: bool = False
+    uncallable: Collection[str] = ()   # live peers we must not call: they call us (protocol/reach.py route)
 
 
 class PartnerPolicy:
@@ -144,7 +147,9 @@ class Search:
         if not sight.live:
             return Finish("alone")
         p.backoff.forget_absent(sight.live)
-        others = [q for q in sight.live if not p.backoff.blocked(q, now)]
+        # a peer we do not call still counts as live (it may call us): we wait for it, we never dial it
+        uncallable = set(sight.uncallable)
+        others = [q for q in sight.live if not p.backoff.blocked(q, now) and q not in uncallable]
         rates = {q: sight.rates.get(q, 0.0) for q in others}
         slower = self.slower(rates, sight.own_link, now)
         explore = (peers_to_explore(sight.own_link, rates, now - self.start, self.window_s,
@@ -154,7 +159,8 @@ class Search:
         avoid = peers_to_avoid(p.recent, set(others) - slower, now - self.start, self.window_s) | slower
         if explore:  # only unmeasured peers until one of them is ready or the first half is over
             avoid |= set(others) - explore
-        partner = pick_partner(sight.ready, p.backoff, now, p.rng, weighted=r.bandwidth_weighting, avoid=avoid)
+        partner = pick_partner(sight.ready, p.backoff, now, p.rng, weighted=r.bandwidth_weighting,
+                               avoid=avoid | uncallable)
         if partner is not None:
             return Call(partner)
         left = self.deadline - now

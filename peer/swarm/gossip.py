@@ -110,7 +110,8 @@ class GossipAveraging:
         return Sight(live=live.keys(), ready={p: r.bandwidth_bps for p, r in self.net.ready_peers().items()},
                      rates={p: ex.rate(p) for p in live}, own_link=self.own_link(),
                      cut=cut is None or cut.is_set(), stopping=self.stopping.is_set(),
-                     engaged_as_responder=(ex.engaged or "").startswith("responder"))
+                     engaged_as_responder=(ex.engaged or "").startswith("responder"),
+                     uncallable=self.net.uncallable())
 
     async def _average(self, sent: list[torch.Tensor], round: int, cut: threading.Event | None = None,
                        window_s: float | None = None) -> RoundExchange:
@@ -169,6 +170,7 @@ class GossipAveraging:
         if not res.ok:
             return False
         report.received, report.kind, report.group_size = res.tensors, "pair", 2
+        report.path = self.net.p2p.path.get(res.partner, "direct")   # direct, or forwarded:<forwarder>
         self.policy.succeeded(res.partner)
         return True
 

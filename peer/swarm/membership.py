@@ -21,6 +21,8 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from gasloc.protocol.reach import MAX_VIA, RECORD_REACH
+
 log = logging.getLogger(__name__)
 
 PEER_STATES: tuple[str, ...] = ("joining", "training", "exchanging")
@@ -37,6 +39,10 @@ class PeerRecord(pv1.BaseModel):
     throughput_tps: pv1.StrictFloat             # training tokens per second over the last inner phase
     bandwidth_bps: pv1.StrictFloat              # measured exchange bandwidth, bytes/s (0.0: not measured yet)
     time: pv1.StrictFloat                       # DHT (wall clock) time of this announcement
+    # NAT (protocol/reach.py); defaults for records of peers that predate them: dialable, attached to nobody
+    reach: pv1.StrictStr = "direct"             # direct | relayed | outbound-only
+    via: list[pv1.StrictStr] = []               # forwarders this peer is attached to (reach it through them)
+    forwards: pv1.StrictBool = False            # forwards streams for peers behind NAT that attach to it
 
     class Config:
         # petals-style rolling upgrades: a newer peer may add fields; older peers must still accept its record
@@ -46,6 +52,12 @@ class PeerRecord(pv1.BaseModel):
     def _known_state(cls, v: str) -> str:
         if v not in PEER_STATES:
             raise ValueError(f"unknown peer state {v!r}")
+        return v
+
+    @pv1.validator("reach")
+    def _known_reach(cls, v: str) -> str:
+        if v not in RECORD_REACH:
+            raise ValueError(f"unknown reachability {v!r}")
         return v
 
 
@@ -78,10 +90,11 @@ class Membership:
         self._last_expiration = 0.0
         self._failed_in_a_row = 0
 
-    def record(self, *, state: str, round: int, throughput_tps: float, bandwidth_bps: float) -> PeerRecord:
+    def record(self, *, state: str, round: int, throughput_tps: float, bandwidth_bps: float, reach: str = "direct",
+               via: list[str] | None = None, forwards: bool = False) -> PeerRecord:
         return PeerRecord(peer_id=self.peer_id, protocol=self.protocol, fingerprint=self.fingerprint, state=state,
                           round=int(round), throughput_tps=float(throughput_tps), bandwidth_bps=float(bandwidth_bps),
-                          time=float(get_dht_time()))
+                          time=float(get_dht_time()), reach=reach, via=list(via or [])[:MAX_VIA], forwards=forwards)
 
     async def announce(self, record: PeerRecord) -> bool:
         """Store our record with expiration now + ttl. False if no DHT node accepted it (logged, retried later)."""

@@ -18,8 +18,10 @@ import torch
 from hivemind.p2p import PeerID
 
 from gasloc.peer.swarm.absence import AbsenceWatch
+from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe_addrs
 from gasloc.peer.swarm.membership import Membership, PeerRecord, make_validators
 from gasloc.protocol.messages import PROTOCOL_VERSION, fingerprint
+from gasloc.protocol.reach import probe_verdict, record_reach, route
 from gasloc.runtime.aio import LoopThread
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.safeproc import SafeDHT
@@ -61,14 +63,20 @@ class Network:
         self.listed_at = 0.0
         self._snapshot = None
         self.absence: AbsenceWatch | None = None  # set when the loop that ticks it starts
+        self.relay: RelayService | None = None
+        self.private, self.reach_source = False, "config"
 
     # ------------------------------------------------------------------ startup (main thread)
     def start_dht(self) -> None:
         net = self.cfg.network
         self.signer, validators = make_validators(self.cfg.swarm.run_id)
+        # known to be behind NAT: a DHT client (a NATed node that hosts keys makes them flaky for everyone, and
+        # others' requests to it only time out) with libp2p's auto-relay on (circuit addresses, hole punching where
+        # the addresses allow it; our exchanges do not rely on it: docs/nat.md)
+        nat = {"client_mode": True, "use_auto_relay": True} if net.reachability == "private" else {}
         dht = SafeDHT(initial_peers=net.initial_peers or None, start=False, record_validators=validators,
                       host_maddrs=net.listen_maddrs, announce_maddrs=net.announce_maddrs or None,
-                      identity_path=net.identity_path, startup_timeout=net.startup_timeout_s)
+                      identity_path=net.identity_path, startup_timeout=net.startup_timeout_s, **nat)
         self.dht = dht
         try:
             dht.run_in_background(await_ready=True, timeout=net.startup_timeout_s + 5)
@@ -98,19 +106,78 @@ class Network:
         """The event loop thread, the p2p replica (same daemon and peer id as the DHT) and the membership."""
         self.aio = LoopThread()
         timeout = self.cfg.network.startup_timeout_s
-        self.p2p = self.aio.run(self.dht.replicate_p2p(), timeout)
+        self.p2p = RoutedP2P(self.aio.run(self.dht.replicate_p2p(), timeout), self.cfg.swarm.run_id, self._via_of)
         self.membership = Membership(self.dht, self.signer, run_id=self.cfg.swarm.run_id, peer_id=self.peer_id,
                                      fingerprint=self.fingerprint, protocol=PROTOCOL_VERSION,
                                      ttl_s=self.cfg.swarm.announce_ttl_s,
                                      # a store or get stuck on an unresponsive DHT node must not outlive a refresh
                                      request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3))
-        self.aio.run(self.membership.announce(self._record()), timeout)
+        net = self.cfg.network
+        self.relay = RelayService(self.p2p, is_member=self.is_member, volunteer=False,
+                                  max_circuits=net.forward_max_circuits, max_attached=net.forward_max_attached,
+                                  circuit_timeout_s=self.cfg.exchange.exchange_timeout_s + 5)
+        self.aio.run(self.relay.start(), timeout)
         self.live = self.aio.run(self.membership.live_peers(), timeout) or {}
+        self.private, self.reach_source = self._learn_reachability()
+        self.relay.volunteer = net.forwarding and not self.private
+        self.aio.run(self.membership.announce(self._record()), timeout)
         self.listed_at = time.monotonic()
         self._announce_wanted, self._list_wanted = self.aio.run(_make_events(), timeout)
         self.absence = AbsenceWatch()
         self._tasks = [self.aio.submit(self._announcer()), self.aio.submit(self._lister()),
                        self.aio.submit(self._watch())]
+
+    # ------------------------------------------------------------------ reachability (protocol/reach.py)
+    def _learn_reachability(self) -> tuple[bool, str]:
+        """(behind NAT?, how we know): the config, or the dial-back probe of up to 5 live peers."""
+        net = self.cfg.network
+        if net.reachability != "auto":
+            return net.reachability == "private", "config"
+        addrs = probe_addrs(list(net.announce_maddrs) or self.maddrs)
+        probers = [p for p, r in self.live.items() if r.reach == "direct"][:5]
+        if not addrs:
+            return True, "probe(no dialable address)"
+        if not probers:
+            return False, "unprobed(no live peer to ask)"
+        answers = self.aio.run(self.relay.probe(probers, addrs, net.probe_timeout_s), net.probe_timeout_s + 2)
+        verdict = probe_verdict(answers)
+        source = f"probe({sum(answers)}/{len(answers)} dialled back)"
+        if verdict is None:
+            return False, "unprobed(no prober answered)"
+        return not verdict, source
+
+    @property
+    def reach(self) -> str:
+        return record_reach(self.private, len(self.relay.via))
+
+    def _via_of(self, peer: str) -> list[str] | None:
+        """RoutedP2P's question: None to dial `peer` directly, else its forwarders."""
+        rec = self.live.get(peer)
+        if rec is None or rec.reach == "direct" or not self.private:
+            return None
+        return [f for f in rec.via if f != self.peer_id]
+
+    def uncallable(self) -> set[str]:
+        """Live peers we do not call (they call us, or nobody can reach them): protocol.reach.route."""
+        ours = "direct" if not self.private else self.reach
+        return {p for p, r in self.live.items() if route(ours, r.reach, r.via) is None}
+
+    def nat_metrics(self) -> dict:
+        """For each round's metrics line: our record's reachability, forwarders held, what we forwarded so far."""
+        r = self.relay
+        if r is None:
+            return {}
+        return {"reach": self.reach, "via": len(r.via), "forwarded_bytes": r.forwarded_bytes,
+                "forwarded_circuits": r.forwarded_circuits}
+
+    def _keep_attached(self) -> None:
+        if not self.private:
+            return
+        before = self.relay.via
+        candidates = [p for p, r in self.live.items() if r.reach == "direct" and r.forwards]
+        self.relay.keep_attached(candidates, self.cfg.network.attach_forwarders)
+        if self.relay.via != before:
+            self._announce_wanted.set()
 
     def start_state_server(self) -> None:
         from gasloc.peer.transport.state_transfer import StateServer
@@ -126,7 +193,8 @@ class Network:
     def _record(self) -> PeerRecord:
         s = self.status()
         return self.membership.record(state=s.state, round=s.round, throughput_tps=s.throughput_tps,
-                                      bandwidth_bps=s.bandwidth_bps)
+                                      bandwidth_bps=s.bandwidth_bps, reach=self.reach, via=self.relay.via,
+                                      forwards=self.relay.volunteer)
 
     def announce(self, wait: bool = False) -> None:
         """Announce the peer's current state: in the background (one store at a time, the latest state wins), or
@@ -159,6 +227,7 @@ class Network:
             # an empty list here would make every partner a stranger to our Exchanger (NOT_MEMBER)
             self.live = found if found is not None else self.membership.prune(self.live)
             self.listed_at = time.monotonic()
+            self._keep_attached()
 
     async def _watch(self) -> None:
         while True:
@@ -240,6 +309,8 @@ class Network:
         if self.aio is not None:
             if self.state_server is not None:
                 shutdown_step("state_server.stop", lambda: self.aio.run(self.state_server.stop(), 10))
+            if getattr(self, "relay", None) is not None:
+                shutdown_step("relay.stop", lambda: self.aio.run(self.relay.stop(), 10))
             if self.p2p is not None:
                 shutdown_step("p2p.shutdown", lambda: self.aio.run(self.p2p.shutdown(), 10))
             self.aio.stop()

@@ -31,6 +31,7 @@ class RoundExchange:
     passed_over: int = 0         # ready peers on much slower links not asked or answered busy (slower_link_ratio)
     detail: str = ""
     overlapped: bool = False     # outer.overlap: it ran during the next round's inner steps (no transfer time)
+    path: str | None = None      # ok pair exchanges: "direct" or "forwarded:<forwarder>" (behind NAT)
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,84 @@
+"""Reachability: who can call whom, and the messages of the forwarding service (peer/swarm/forward.py). Pure.
+
+A peer is `direct` (others can dial it), `relayed` (behind NAT, but attached to at least one public peer that
+forwards streams to it) or `outbound-only` (behind NAT and attached to nobody: it can only call). Its record says
+which, and lists the forwarders it is attached to (`via`).
+
+Who calls whom (connection reversal by rule, not by signalling): a NATed peer can always dial a public one, so a
+public peer never calls a NATed one - it waits to be called, which costs it nothing, as every round it is offering
+anyway. Two NATed peers reach each other through a forwarder of the callee: the caller opens a stream to the
+forwarder, which opens one to the callee over the connection the callee keeps open to it (the callee dialled out,
+so its NAT lets that connection in), and copies bytes both ways. Nothing here depends on libp2p's relays, whose
+limits the bundled daemon does not let us set for sure (docs/nat.md).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import Field
+
+from gasloc.protocol.messages import PROTOCOL_VERSION, _Wire
+
+RECORD_REACH = ("direct", "relayed", "outbound-only")
+MAX_VIA = 8            # forwarders listed in a record (and attached to at once)
+MAX_PROBE_ADDRS = 8    # addresses one probe may ask a prober to dial
+Route = Literal["direct", "forwarded"]
+
+
+def record_reach(private: bool, attached: int) -> str:
+    """Our record's reachability from what we know of ourselves."""
+    if not private:
+        return "direct"
+    return "relayed" if attached > 0 else "outbound-only"
+
+
+def route(ours: str, theirs: str, their_via: Sequence[str]) -> Route | None:
+    """How we call a peer: directly, through one of its forwarders, or not at all (None: it will call us).
+
+    - it is direct: we dial it (whoever we are; a NATed peer can always dial out);
+    - we are direct and it is not: we do not call - the NATed side calls (a dial to it would only time out, and
+      going through its forwarder would spend the forwarder's link on a pair that has a free direct path the
+      other way);
+    - both behind NAT: through its forwarder if it has one, else nobody can reach it."""
+    if theirs == "direct":
+        return "direct"
+    if ours == "direct":
+        return None
+    return "forwarded" if their_via else None
+
+
+def probe_verdict(answers: Sequence[bool]) -> bool | None:
+    """Reachable from outside? As Petals decides: yes when at least half of the probers that answered could dial us
+    back; None when nobody answered (we cannot tell)."""
+    if not answers:
+        return None
+    return sum(answers) * 2 >= len(answers)
+
+
+class RelayRequest(_Wire):
+    """First frame on a stream to a peer's relay service.
+
+    kind "attach": keep this stream (and so our connection to you) open and forward to me what others send me;
+    "forward": connect this stream to `target`'s handler `handler` (an attached peer of yours);
+    "probe": try to open a TCP connection to each of `addrs` (host, port) and tell me which worked."""
+    protocol_version: int = PROTOCOL_VERSION
+    kind: Literal["attach", "forward", "probe"]
+    target: str = Field("", max_length=128)
+    handler: str = Field("", max_length=200)
+    addrs: tuple[tuple[str, int], ...] = Field((), max_length=MAX_PROBE_ADDRS)
+
+
+class RelayReply(_Wire):
+    protocol_version: int = PROTOCOL_VERSION
+    code: int
+    message: str = Field("", max_length=500)
+    reachable: tuple[bool, ...] = Field((), max_length=MAX_PROBE_ADDRS)   # probe: one per requested address
+
+
+class ForwardedHello(_Wire):
+    """First frame a forwarder writes on the stream it opens to an attached peer: whose stream this is and for
+    which of the peer's handlers. The peer trusts `origin` as far as it trusts the forwarder (a live member)."""
+    protocol_version: int = PROTOCOL_VERSION
+    origin: str = Field(max_length=128)
+    handler: str = Field(max_length=200)

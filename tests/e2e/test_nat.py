@@ -1,0 +1,116 @@
+"""Peers behind NAT, on the NAT lab (bench/netlab.py NatLab): a bootstrap and 2 public peers on the "internet", and
+2 peers behind two separate home routers (MASQUERADE, nothing forwarded in). Real gasloc processes, tiny model.
+
+What must hold: each NATed peer learns it is behind NAT (one by the dial-back probe, one from the config), pairs
+>= 3 times, at least once with the other NATed peer (through a forwarder: the metrics name it) and once with a
+public peer, and keeps up with the public peers' rounds; the public peers never dial a NATed one. Needs root,
+`ip netns` and iptables."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from e2e.harness import Harness, child_env
+from e2e.swarm_helpers import rounds, start_event, write_config
+from gasloc.runtime.procs import gasloc_argv
+
+_spec = importlib.util.spec_from_file_location("netlab", Path(__file__).resolve().parents[2] / "bench" / "netlab.py")
+netlab = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("netlab", netlab)
+_spec.loader.exec_module(netlab)
+
+_why = netlab.nat_unavailable_reason()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=f"NAT lab: {_why}")]
+
+ANY = "/ip4/0.0.0.0/tcp/0"
+PUBLIC, NATED = ["pa", "pb"], ["na", "nb"]
+
+
+@pytest.fixture
+def lab():
+    lab = netlab.NatLab(netlab.run_prefix("gnx"), public=["boot", *PUBLIC], homes=NATED)
+    lab.up()
+    try:
+        yield lab
+    finally:
+        lab.down()
+
+
+def spawn_in(h: Harness, lab, host: str, name: str, *args):
+    argv = lab.exec_argv(host, gasloc_argv(*map(str, args)))
+    return h.sup.start(name, argv, h.run_dir / f"{name}.log", env=child_env(), cwd=h.run_dir)
+
+
+def lab_maddr(maddrs: list[str], ip: str) -> str:
+    return next(m for m in maddrs if f"/ip4/{ip}/" in m)
+
+
+@pytest.mark.timeout(300)
+def test_two_nated_peers_pair_with_each_other_and_with_public_peers(lab, harness):
+    h = harness
+    config = write_config(h, deadline_s=1.2)
+    boot = spawn_in(h, lab, "boot", "bootstrap", "bootstrap", "--host-maddrs", ANY, "--run-id", "e2e")
+    boot_addr = lab_maddr(h.wait_ready(boot, 90)["maddrs"], lab.ip("boot"))
+
+    def peer(host: str, *extra: str):
+        return spawn_in(h, lab, host, host, "peer", "--config", config, "--initial-peers", boot_addr,
+                        "--host-maddrs", ANY, "--run-dir", h.dir(host), *extra)
+
+    ids = {}
+    pub = {n: peer(n) for n in PUBLIC}
+    ids.update({n: h.wait_ready(c, 150)["peer_id"] for n, c in pub.items()})
+    # na learns it by the probe; nb is told (and so also runs its DHT in client mode)
+    nat = {"na": peer("na"), "nb": peer("nb", "--reachability", "private")}
+    ids.update({n: h.wait_ready(c, 150)["peer_id"] for n, c in nat.items()})
+    names = {v: k for k, v in ids.items()}
+
+    starts = {n: start_event(h, n) for n in ids}
+    for n in PUBLIC:
+        assert starts[n]["reachability"] == "public", starts[n]
+    assert starts["na"]["reachability"] == "private" and starts["na"]["reachability_source"].startswith("probe("), \
+        starts["na"]
+    assert starts["nb"]["reachability"] == "private" and starts["nb"]["reachability_source"] == "config"
+    for n in NATED:  # joined late, from behind NAT: the state came from a peer of the running swarm
+        assert names.get(starts[n]["joined_from"]) in PUBLIC, starts[n]
+    t0 = time.time()
+
+    def ok_with(n: str) -> Counter:
+        return Counter(names.get(r["partner"], "?") for r in rounds(h, n) if r["outcome"] == "ok" and r["time"] > t0)
+
+    def done() -> bool:
+        for n, other in (("na", "nb"), ("nb", "na")):
+            got = ok_with(n)
+            if sum(got.values()) < 3 or got[other] < 1 or not any(got[p] for p in PUBLIC):
+                return False
+        return True
+
+    h.wait_until(done, 180, "each NATed peer: >= 3 ok exchanges, >= 1 with the other NATed peer and >= 1 with a "
+                 "public one", alive=tuple(ids))
+    t1 = time.time()
+
+    for n in NATED:
+        rs = [r for r in rounds(h, n) if r["time"] > t0]
+        assert rs[-1]["reach"] == "relayed" and rs[-1]["via"] >= 1, rs[-1]
+        other = "nb" if n == "na" else "na"
+        paths = [r["path"] for r in rs if r["outcome"] == "ok" and names.get(r["partner"]) == other]
+        # the NAT <-> NAT exchanges went through a public peer, and the metrics say which
+        assert paths and all(p.startswith("forwarded:") and names[p.split(":", 1)[1]] in PUBLIC for p in paths), \
+            paths
+        assert all(r["path"] == "direct" for r in rs if r["outcome"] == "ok" and names.get(r["partner"]) in PUBLIC)
+
+    # whoever forwarded counted it; the public peers never called a NATed one (they wait to be called)
+    assert sum(rounds(h, n)[-1]["forwarded_bytes"] for n in PUBLIC) > 0
+    for n in PUBLIC:
+        assert "deadline passed during connect" not in h.log(n)
+
+    # keeping up: rounds finished in [t0, t1] by each NATed peer against the public peers' (same run, same window)
+    def count(n: str) -> int:
+        return sum(1 for r in rounds(h, n) if t0 < r["time"] <= t1)
+    public_rounds = min(count(n) for n in PUBLIC)
+    for n in NATED:
+        assert count(n) >= 0.9 * public_rounds, {k: count(k) for k in ids}

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 MAX_RELAY_HEADER_BYTES = 4096
 HANDSHAKE_TIMEOUT_S = 3.0
 PUMP_CHUNK = 1 << 16
+ATTACH_RETRY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ class RelayService:
         self.forwarded_bytes = 0
         self.forwarded_circuits = 0
         self._tasks: set[asyncio.Task] = set()
+        self._retry_at: dict[str, float] = {}
         routed.accept_forwarded_from = lambda fwd: fwd in self.attachments
 
     async def start(self) -> None:
@@ -266,13 +268,14 @@ class RelayService:
     # ------------------------------------------------------------------ as a NATed peer
     def keep_attached(self, candidates: list[str], want: int) -> None:
         """Attach to forwarders among `candidates` (live, direct, volunteering peers) until `want` are held."""
+        now = asyncio.get_running_loop().time()
         for fwd, t in list(self.attachments.items()):
             if t.done():
                 del self.attachments[fwd]
         for fwd in random.sample(candidates, len(candidates)):
             if len(self.attachments) >= want:
                 break
-            if fwd not in self.attachments:
+            if fwd not in self.attachments and self._retry_at.get(fwd, 0.0) <= now:
                 self.attachments[fwd] = asyncio.ensure_future(self._attach(fwd))
 
     async def _attach(self, fwd: str) -> None:
@@ -284,8 +287,10 @@ class RelayService:
             await _send(writer, RelayRequest(kind="attach"))
             reply = await asyncio.wait_for(read_frame(reader, RelayReply), HANDSHAKE_TIMEOUT_S)
             if Code.parse(reply.code) != Code.OK:
-                log.info("attach forwarder=%s refused=%s %s", fwd, Code.parse(reply.code).name, reply.message)
-                await asyncio.sleep(10)   # keeps the slot "taken" a while: no retry storm on a full forwarder
+                code = Code.parse(reply.code)
+                log.info("attach forwarder=%s refused=%s %s", fwd, code.name, reply.message)
+                # NOT_MEMBER: its listing does not have our fresh record yet (it lists every 1-2 s)
+                self._later(fwd, 2.0 if code == Code.NOT_MEMBER else ATTACH_RETRY_S)
                 return
             log.info("attach forwarder=%s ok", fwd)
             while await reader.read(1024):
@@ -293,9 +298,16 @@ class RelayService:
             log.info("attach forwarder=%s lost", fwd)
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
             log.info("attach forwarder=%s failed=%s: %s", fwd, type(e).__name__, e)
+            self._later(fwd, ATTACH_RETRY_S)
         finally:
             if writer is not None:
                 writer.close()
+
+    def _later(self, fwd: str, after_s: float) -> None:
+        """A forwarder that refused or failed is tried again only `after_s` later (others meanwhile)."""
+        self._retry_at[fwd] = asyncio.get_running_loop().time() + after_s
+        if len(self._retry_at) > 4096:
+            self._retry_at.pop(next(iter(self._retry_at)))
 
     async def probe(self, probers: list[str], addrs: list[tuple[str, int]], timeout_s: float) -> list[bool]:
         """Ask each prober whether it can dial any of `addrs`; one answer per prober that replied in time."""

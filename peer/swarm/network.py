@@ -134,7 +134,8 @@ class Network:
         if net.reachability != "auto":
             return net.reachability == "private", "config"
         addrs = probe_addrs(list(net.announce_maddrs) or self.maddrs)
-        probers = [p for p, r in self.live.items() if r.reach == "direct"][:5]
+        # bootstrap nodes first: they are meant to be public, and a lone first peer has nobody else to ask
+        probers = [*self._bootstrap_ids(), *(p for p, r in self.live.items() if r.reach == "direct")][:5]
         if not addrs:
             return True, "probe(no dialable address)"
         if not probers:
@@ -162,6 +163,12 @@ class Network:
         ours = "direct" if not self.private else self.reach
         return {p for p, r in self.live.items() if route(ours, r.reach, r.via) is None}
 
+    def _bootstrap_ids(self) -> list[str]:
+        """Peer ids of our initial peers (a gasloc bootstrap answers probes and forwards; a peer id that turns
+        out to be a plain hivemind node just refuses, and we try the next)."""
+        ids = [m.rsplit("/p2p/", 1)[1] for m in self.cfg.network.initial_peers if "/p2p/" in m]
+        return [i for i in dict.fromkeys(ids) if i != self.peer_id and i not in self.live]
+
     def nat_metrics(self) -> dict:
         """For each round's metrics line: our record's reachability, forwarders held, what we forwarded so far."""
         r = self.relay
@@ -174,7 +181,7 @@ class Network:
         if not self.private:
             return
         before = self.relay.via
-        candidates = [p for p, r in self.live.items() if r.reach == "direct" and r.forwards]
+        candidates = [*self._bootstrap_ids(), *(p for p, r in self.live.items() if r.reach == "direct" and r.forwards)]
         self.relay.keep_attached(candidates, self.cfg.network.attach_forwarders)
         if self.relay.via != before:
             self._announce_wanted.set()

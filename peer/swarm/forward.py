@@ -311,20 +311,24 @@ class RelayService:
 
     async def probe(self, probers: list[str], addrs: list[tuple[str, int]], timeout_s: float) -> list[bool]:
         """Ask each prober whether it can dial any of `addrs`; one answer per prober that replied in time."""
-        async def one(peer: str) -> bool | None:
-            writer = None
-            try:
-                async with asyncio.timeout(timeout_s):
-                    _, reader, writer = await self.routed._p2p.call_binary_stream_handler(
-                        PeerID.from_base58(peer), self.routed.relay_name)
-                    await _send(writer, RelayRequest(kind="probe", addrs=tuple(addrs)))
-                    reply = await read_frame(reader, RelayReply)
-                return Code.parse(reply.code) == Code.OK and any(reply.reachable)
-            except (TimeoutError, WireError, *STREAM_ERRORS) as e:
-                log.info("probe prober=%s no_answer=%s: %s", peer, type(e).__name__, e)
-                return None
-            finally:
-                if writer is not None:
-                    writer.close()
-        answers = await asyncio.gather(*(one(p) for p in probers))
+        answers = await asyncio.gather(*(ask_probe(self.routed._p2p, self.routed.relay_name, p, addrs, timeout_s)
+                                         for p in probers))
         return [a for a in answers if a is not None]
+
+
+async def ask_probe(p2p, relay_name: str, peer: str, addrs: list[tuple[str, int]], timeout_s: float) -> bool | None:
+    """One prober's answer: could it open a TCP connection to any of `addrs`? None: it did not answer (not a gasloc
+    node, or gone)."""
+    writer = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), relay_name)
+            await _send(writer, RelayRequest(kind="probe", addrs=tuple(addrs)))
+            reply = await read_frame(reader, RelayReply)
+        return Code.parse(reply.code) == Code.OK and any(reply.reachable)
+    except (TimeoutError, WireError, ValueError, *STREAM_ERRORS) as e:
+        log.info("probe prober=%s no_answer=%s: %s", peer, type(e).__name__, e)
+        return None
+    finally:
+        if writer is not None:
+            writer.close()

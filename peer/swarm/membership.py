@@ -39,10 +39,6 @@ class PeerRecord(pv1.BaseModel):
     throughput_tps: pv1.StrictFloat             # training tokens per second over the last inner phase
     bandwidth_bps: pv1.StrictFloat              # measured exchange bandwidth, bytes/s (0.0: not measured yet)
     time: pv1.StrictFloat                       # DHT (wall clock) time of this announcement
-    # NAT (protocol/reach.py); defaults for records of peers that predate them: dialable, attached to nobody
-    reach: pv1.StrictStr = "direct"             # direct | relayed | outbound-only
-    via: list[pv1.StrictStr] = []               # forwarders this peer is attached to (reach it through them)
-    forwards: pv1.StrictBool = False            # forwards streams for peers behind NAT that attach to it
 
     class Config:
         # petals-style rolling upgrades: a newer peer may add fields; older peers must still accept its record
@@ -54,11 +50,26 @@ class PeerRecord(pv1.BaseModel):
             raise ValueError(f"unknown peer state {v!r}")
         return v
 
-    @pv1.validator("reach")
-    def _known_reach(cls, v: str) -> str:
-        if v not in RECORD_REACH:
-            raise ValueError(f"unknown reachability {v!r}")
-        return v
+    # NAT (protocol/reach.py): `reach`, `via`, `forwards` travel as extra fields, not declared ones - hivemind's
+    # SchemaValidator refuses a record whose parse differs from what was stored, and a declared field with a
+    # default would add itself to every record of a peer that predates it. So they are read here, with the
+    # defaults of such a peer, and a malformed claim reads as the least that it could mean.
+    @property
+    def reach(self) -> str:
+        """direct | relayed | outbound-only; absent: direct (an older peer); anything else: outbound-only."""
+        v = self.__dict__.get("reach", "direct")
+        return v if v in RECORD_REACH else "outbound-only"
+
+    @property
+    def via(self) -> list[str]:
+        """Forwarders this peer is attached to (reach it through them)."""
+        v = self.__dict__.get("via", [])
+        return [f for f in v if isinstance(f, str)][:MAX_VIA] if isinstance(v, list) else []
+
+    @property
+    def forwards(self) -> bool:
+        """It forwards streams for peers behind NAT that attach to it."""
+        return self.__dict__.get("forwards") is True
 
 
 class SwarmSchema(pv1.BaseModel):

@@ -8,6 +8,7 @@ public peer, and keeps up with the public peers' rounds; the public peers never 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -114,6 +115,15 @@ def test_two_nated_peers_pair_with_each_other_and_with_public_peers(lab, harness
         assert rounds(h, n)[-1]["forwarded_bytes"] > 0
     for n in PUBLIC:
         assert "deadline passed during connect" not in h.log(n)
+
+    # gasloc doctor, run on a NATed host and on a public one, asks the bootstrap to dial it back
+    for host, verdict, fix in (("nb", "WARN behind NAT", "forward TCP port 4100"), ("pa", "OK reachable", "")):
+        r = subprocess.run(lab.exec_argv(host, gasloc_argv("doctor", "--initial-peers", boot_addr, "--run-id", "e2e",
+                                                           "--port", "4100", "--checkpoint-dir", h.dir("doc"))),
+                           capture_output=True, text=True, timeout=120, env=child_env(), start_new_session=True)
+        flat = " ".join(r.stdout.split())
+        status, first = verdict.split(" ", 1)
+        assert r.returncode == 0 and f"reachability │ {status} │ {first}" in flat and fix in flat, r.stdout + r.stderr
 
     # keeping up: rounds finished in [t0, t1] by each NATed peer against the public peers' (same run, same window)
     def count(n: str) -> int:

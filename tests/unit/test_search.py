@@ -163,3 +163,13 @@ def test_bandwidth_weighting_prefers_the_faster_announcement():
     p = policy(rules, seed=5, avoid_recent=0)
     picks = [p.begin(0.0).next(Sight(live={"a", "b"}, ready={"a": 9.0, "b": 1.0}), 1.0).peer for _ in range(500)]
     assert 0.85 < picks.count("a") / 500 < 0.95
+
+
+def test_a_peer_we_must_not_call_is_never_called_but_still_waited_for():
+    """A public peer and a NATed one (uncallable to it: the NATed side calls): it waits for the call instead of
+    dialling, and does not finish as if alone."""
+    s = policy().begin(0.0)
+    actions, end = run_until_finish(s, lambda now: sight({"nat"}, {"nat"}, uncallable={"nat"}))
+    assert end == pytest.approx(10.0) and not any(isinstance(a, Call) for a in actions)
+    # with a callable peer ready too, that one is called
+    assert policy().begin(0.0).next(sight({"nat", "pub"}, {"nat", "pub"}, uncallable={"nat"}), 0.0) == Call("pub")

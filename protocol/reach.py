@@ -56,6 +56,23 @@ def probe_verdict(answers: Sequence[bool]) -> bool | None:
     return sum(answers) * 2 >= len(answers)
 
 
+def probed_reachability(have_addrs: bool, asked: int, answers: Sequence[bool]) -> tuple[bool, str]:
+    """(behind NAT?, how we know) for reachability "auto", from the probe: `have_addrs` - we had an address
+    another host could dial; `asked` probers; `answers` from those that replied.
+
+    Loopback only is a swarm on one machine (everyone dials everyone): public. Nobody to ask, or nobody answered:
+    public as well, marked unprobed - a peer that wrongly thinks itself public costs others a dial that times out
+    (the situation before this rule existed), one that wrongly thinks itself NATed never gets called at all."""
+    if not have_addrs:
+        return False, "unprobed(loopback only)"
+    if not asked:
+        return False, "unprobed(no peer to ask)"
+    verdict = probe_verdict(answers)
+    if verdict is None:
+        return False, "unprobed(no prober answered)"
+    return not verdict, f"probe({sum(answers)}/{len(answers)} dialled back)"
+
+
 class RelayRequest(_Wire):
     """First frame on a stream to a peer's relay service.
 

@@ -21,7 +21,7 @@ from gasloc.peer.swarm.absence import AbsenceWatch
 from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe_addrs
 from gasloc.peer.swarm.membership import Membership, PeerRecord, make_validators
 from gasloc.protocol.messages import PROTOCOL_VERSION, fingerprint
-from gasloc.protocol.reach import probe_verdict, record_reach, route
+from gasloc.protocol.reach import probed_reachability, record_reach, route
 from gasloc.runtime.aio import LoopThread
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.safeproc import SafeDHT
@@ -136,16 +136,10 @@ class Network:
         addrs = probe_addrs(list(net.announce_maddrs) or self.maddrs)
         # bootstrap nodes first: they are meant to be public, and a lone first peer has nobody else to ask
         probers = [*self._bootstrap_ids(), *(p for p, r in self.live.items() if r.reach == "direct")][:5]
-        if not addrs:
-            return True, "probe(no dialable address)"
-        if not probers:
-            return False, "unprobed(no live peer to ask)"
-        answers = self.aio.run(self.relay.probe(probers, addrs, net.probe_timeout_s), net.probe_timeout_s + 2)
-        verdict = probe_verdict(answers)
-        source = f"probe({sum(answers)}/{len(answers)} dialled back)"
-        if verdict is None:
-            return False, "unprobed(no prober answered)"
-        return not verdict, source
+        answers = []
+        if addrs and probers:
+            answers = self.aio.run(self.relay.probe(probers, addrs, net.probe_timeout_s), net.probe_timeout_s + 2)
+        return probed_reachability(bool(addrs), len(probers), answers)
 
     @property
     def reach(self) -> str:

@@ -9,7 +9,7 @@ import pytest
 from gasloc.peer.swarm.forward import probe_addrs
 from gasloc.peer.swarm.membership import PeerRecord
 from gasloc.protocol.codes import Code
-from gasloc.protocol.reach import RelayRequest, probe_verdict, record_reach, route
+from gasloc.protocol.reach import RelayRequest, probe_verdict, probed_reachability, record_reach, route
 from gasloc.protocol.wire import WireError, decode_header, encode_header
 
 
@@ -28,6 +28,14 @@ def test_probe_verdict_and_record_reach():
     assert probe_verdict([True, False]) is True and probe_verdict([False, False, True]) is False
     assert record_reach(False, 0) == "direct"
     assert record_reach(True, 0) == "outbound-only" and record_reach(True, 2) == "relayed"
+
+
+def test_what_auto_concludes_from_the_probe():
+    assert probed_reachability(False, 3, []) == (False, "unprobed(loopback only)")   # a one-machine swarm
+    assert probed_reachability(True, 0, []) == (False, "unprobed(no peer to ask)")
+    assert probed_reachability(True, 2, []) == (False, "unprobed(no prober answered)")
+    assert probed_reachability(True, 3, [False, False]) == (True, "probe(0/2 dialled back)")
+    assert probed_reachability(True, 2, [True, False]) == (False, "probe(1/2 dialled back)")
 
 
 def test_relay_request_caps_and_kinds():

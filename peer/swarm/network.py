@@ -267,7 +267,9 @@ class Network:
         live = self.live
         # most advanced first; a donor that fails (dies mid-transfer, busy, garbage) is skipped for the next
         # Only peers that trained at least one round: peers started together all hold the seed model already.
-        donors = sorted((pid for pid, r in live.items() if r.state != "joining" and r.round > 0),
+        # (and not peers we cannot reach: behind NAT while we are public, or NATed without a forwarder)
+        skip = self.uncallable()
+        donors = sorted((pid for pid, r in live.items() if r.state != "joining" and r.round > 0 and pid not in skip),
                         key=lambda p: -live[p].round)
         if not donors:
             log.info("join: no live peer has trained yet; starting from the seed model")

@@ -4,11 +4,10 @@ A peer is `direct` (others can dial it), `relayed` (behind NAT, but attached to 
 forwards streams to it) or `outbound-only` (behind NAT and attached to nobody: it can only call). Its record says
 which, and lists the forwarders it is attached to (`via`).
 
-Who calls whom (connection reversal by rule, not by signalling): a NATed peer can always dial a public one, so a
-public peer never calls a NATed one - it waits to be called, which costs it nothing, as every round it is offering
-anyway. Two NATed peers reach each other through a forwarder of the callee: the caller opens a stream to the
-forwarder, which opens one to the callee over the connection the callee keeps open to it (the callee dialled out,
-so its NAT lets that connection in), and copies bytes both ways. Nothing here depends on libp2p's relays, whose
+Who calls whom: a NATed peer can always dial a public one; a NATed peer is reached through a forwarder it is
+attached to: the caller opens a stream to the forwarder, which opens one to the callee over the connection the
+callee keeps open to it (the callee dialled out, so its NAT lets that connection in), and copies bytes both ways.
+A NATed peer attached to nobody is never called (it calls). Nothing here depends on libp2p's relays, whose
 limits the bundled daemon does not let us set for sure (docs/nat.md).
 """
 from __future__ import annotations
@@ -37,14 +36,13 @@ def route(ours: str, theirs: str, their_via: Sequence[str]) -> Route | None:
     """How we call a peer: directly, through one of its forwarders, or not at all (None: it will call us).
 
     - it is direct: we dial it (whoever we are; a NATed peer can always dial out);
-    - we are direct and it is not: we do not call - the NATed side calls (a dial to it would only time out, and
-      going through its forwarder would spend the forwarder's link on a pair that has a free direct path the
-      other way);
-    - both behind NAT: through its forwarder if it has one, else nobody can reach it."""
+    - it is behind NAT and attached to a forwarder (`relayed`): through the forwarder, whoever we are. For a
+      public caller that spends the forwarder's link on a pair that has a direct path the other way, but without
+      it a NATed peer gets a partner only when it calls: measured on the NAT lab, NATed peers then waited 0.56 s
+      per round against the public peers' 0.17 s and finished 70% of their rounds;
+    - `outbound-only` (attached to nobody): nobody can reach it - we do not call; it calls us."""
     if theirs == "direct":
         return "direct"
-    if ours == "direct":
-        return None
     return "forwarded" if their_via else None
 
 

@@ -19,8 +19,8 @@ Rules (their reasons are in protocol/partners.py):
 - the search ends at `partner_deadline_s`; an overlapped search (outer.overlap) also not before the cut, the end
   of our next inner phase, and its window is the longer of the two;
 - nobody else live: finish at once (nobody can become ready);
-- never call a peer in `uncallable` (a public peer does not call one behind NAT: that one calls; protocol/reach.py),
-  but keep waiting for its call;
+- never call a peer in `uncallable` (behind NAT and attached to no forwarder: it calls; protocol/reach.py), but
+  keep waiting for its call;
 - pick among ready peers not in backoff, passing over our recent partners, and (with slower_link_ratio, in a
   "picky" search) peers on much slower links, for the first half of the window;
 - BUSY from the partner: a short cooldown for it and a random pause for us (two peers that called each other at
@@ -80,7 +80,7 @@ class Sight:
     cut: bool = True
     stopping: bool = False
     engaged_as_responder: bool = False
-    uncallable: Collection[str] = ()   # live peers we must not call: they call us (protocol/reach.py route)
+    uncallable: Collection[str] = ()   # live peers nobody can call: they call us (protocol/reach.py route)
 
 
 class PartnerPolicy:

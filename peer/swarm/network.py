@@ -148,9 +148,11 @@ class Network:
     def _via_of(self, peer: str) -> list[str] | None:
         """RoutedP2P's question: None to dial `peer` directly, else its forwarders."""
         rec = self.live.get(peer)
-        if rec is None or rec.reach == "direct" or not self.private:
+        if rec is None or rec.reach == "direct":
             return None
-        return [f for f in rec.via if f != self.peer_id]
+        # a forwarder of theirs that is us: we hold their attachment, so a direct stream rides on it
+        via = [f for f in rec.via if f != self.peer_id]
+        return via if len(via) == len(rec.via) else None
 
     def uncallable(self) -> set[str]:
         """Live peers we do not call (they call us, or nobody can reach them): protocol.reach.route."""

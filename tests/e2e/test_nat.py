@@ -4,7 +4,7 @@
 What must hold: each NATed peer learns it is behind NAT (one by the dial-back probe, one from the config), joins by
 downloading the state, pairs >= 3 times, at least once with the other NATed peer (through a forwarder: the metrics
 name it) and once with a public peer, and keeps (nearly) up with the public peers' rounds; the public peers never
-dial a NATed one; gasloc doctor says which host is behind NAT. Needs root,
+dial a NATed one directly (only through a forwarder); gasloc doctor says which host is behind NAT. Needs root,
 `ip netns` and iptables."""
 from __future__ import annotations
 
@@ -108,9 +108,12 @@ def test_two_nated_peers_pair_with_each_other_and_with_public_peers(lab, harness
         # the NAT <-> NAT exchanges went through a public peer or the bootstrap, and the metrics say which
         assert paths and all(p.startswith("forwarded:") and names[p.split(":", 1)[1]] in ["boot", *PUBLIC]
                              for p in paths), paths
-        assert all(r["path"] == "direct" for r in rs if r["outcome"] == "ok" and names.get(r["partner"]) in PUBLIC)
+        # with a public peer: direct when the NATed peer called (or the public peer is its forwarder), else through
+        # its forwarder
+        assert all(r["path"] == "direct" or names[r["path"].split(":", 1)[1]] in ["boot", *PUBLIC]
+                   for r in rs if r["outcome"] == "ok" and names.get(r["partner"]) in PUBLIC)
 
-    # whoever forwarded counted it (the bootstrap logs no rounds); the public peers never called a NATed one
+    # whoever forwarded counted it (the bootstrap logs no rounds); no public peer's dial of a NATed one timed out
     forwarders = {names[p.split(":", 1)[1]] for n in NATED for r in rounds(h, n) if (p := r.get("path") or "")
                   .startswith("forwarded:")}
     for n in forwarders & set(PUBLIC):
@@ -130,13 +133,11 @@ def test_two_nated_peers_pair_with_each_other_and_with_public_peers(lab, harness
     # keeping up: rounds finished in [t0, t1] by each NATed peer against the public peers' (same run, same window)
     def count(n: str) -> int:
         return sum(1 for r in rounds(h, n) if t0 < r["time"] <= t1)
-    # The issue asks for 90%. Measured over 20 public rounds: 17/20 for both NATed peers (their inner steps ran 10%
-    # slower on the shared machine, and they wait ~0.2 s longer per round: public peers never call them); over 10
-    # rounds 8-10/10. So the test holds them to 80%, which a NATed peer left waiting on partners it cannot reach
-    # (the issue's baseline: 30% fewer rounds) does not meet; docs/nat.md reports the gap.
+    # The issue's 90%. Before public peers called NATed ones through their forwarders, NATed peers waited 0.56 s
+    # per round against 0.17 s and finished 14-17 of 20 (docs/nat.md).
     public_rounds = min(count(n) for n in PUBLIC)
     for n in NATED:
-        assert count(n) >= 0.8 * public_rounds, {k: count(k) for k in [*PUBLIC, *NATED]}
+        assert count(n) >= 0.9 * public_rounds, {k: count(k) for k in [*PUBLIC, *NATED]}
 
 
 @pytest.fixture

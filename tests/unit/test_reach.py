@@ -16,8 +16,8 @@ from gasloc.protocol.wire import WireError, decode_header, encode_header
 def test_who_calls_whom():
     assert route("direct", "direct", []) == "direct"
     assert route("relayed", "direct", []) == "direct"              # a NATed peer can always dial a public one
-    assert route("direct", "relayed", ["r"]) is None               # a public peer waits: the NATed side calls
-    assert route("direct", "outbound-only", []) is None
+    assert route("direct", "relayed", ["r"]) == "forwarded"        # through the NATed peer's forwarder
+    assert route("direct", "outbound-only", []) is None            # attached to nobody: it calls us
     assert route("relayed", "relayed", ["r"]) == "forwarded"       # NAT <-> NAT: through the callee's forwarder
     assert route("outbound-only", "relayed", ["r"]) == "forwarded"
     assert route("relayed", "outbound-only", []) is None           # nobody can reach it; it may call us

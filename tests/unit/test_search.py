@@ -166,8 +166,8 @@ def test_bandwidth_weighting_prefers_the_faster_announcement():
 
 
 def test_a_peer_we_must_not_call_is_never_called_but_still_waited_for():
-    """A public peer and a NATed one (uncallable to it: the NATed side calls): it waits for the call instead of
-    dialling, and does not finish as if alone."""
+    """A peer behind NAT attached to no forwarder (uncallable: it calls us): we wait for its call instead of
+    dialling, and do not finish as if alone."""
     s = policy().begin(0.0)
     actions, end = run_until_finish(s, lambda now: sight({"nat"}, {"nat"}, uncallable={"nat"}))
     assert end == pytest.approx(10.0) and not any(isinstance(a, Call) for a in actions)

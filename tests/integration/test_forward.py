@@ -132,7 +132,10 @@ def test_forwarded_streams_only_from_forwarders_we_attached_to():
             # c claims to forward a stream from a made-up origin; b never attached to c
             _, reader, writer = await c.call_binary_stream_handler(b.peer_id, f"{NS}::gasloc.forwarded.v1")
             await _send(writer, ForwardedHello(origin=str(c.peer_id), handler=f"{NS}::h"))
-            assert await asyncio.wait_for(reader.read(), 5) == b""     # closed on us, nothing dispatched
+            try:   # closed on us (p2pd shows the close as an EOF or as a reset), nothing dispatched
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+            except ConnectionResetError:
+                pass
             writer.close()
             assert called == []
             await sb.stop()

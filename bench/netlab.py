@@ -13,7 +13,9 @@ Names carry a per-run prefix `<tag><pid>x` (the PID of the process that built th
 leftovers are found by prefix and told apart from a live run's: `cleanup(tag)` removes only namespaces whose
 creator PID is gone, after killing any process still running inside them.
 
-Root only (`ip netns`, `tc`). Use:
+`NatLab` builds the other topology: an "internet" of public hosts and homes behind NAT routers (iptables).
+
+Root only (`ip netns`, `tc`; `iptables` for NatLab). Use:
 
     with Star(run_prefix("gnl"), [Node("a", 20), Node("b", 2)]) as star:
         subprocess.run(star.exec_argv("a", ["python", "server.py", "--host", star.ip("a")]))
@@ -171,7 +173,164 @@ class Star:
         return ", ".join(f"{n}={self.ip(n)} up {x.up_mbit:g}/down {x.down:g} Mbit" for n, x in self.nodes.items())
 
 
+# ---------------------------------------------------------------------------------------------- NAT lab
+NAT_SUBNET = "10.77"  # a /16 used only inside these namespaces: 10.77.0.0/24 "internet", 10.77.<k>.0/24 home k
+
+
+class NatLab:
+    """An "internet" with public hosts and homes behind NAT routers, for peers behind NAT.
+
+        hub namespace:     bridge `br0`: the internet, 10.77.0.0/24
+        public host <p>:   `eth0` on br0, 10.77.0.<i+1>
+        router r<k>:       `wan0` on br0, 10.77.0.<101+k>; `lan0` 10.77.<k+1>.1/24; IP forwarding on; iptables:
+                           MASQUERADE out of wan0, FORWARD policy DROP, lan0 -> wan0 allowed, wan0 -> lan0 only for
+                           ESTABLISHED/RELATED (a home router: nobody outside can open a connection inside)
+        home host <h>:     `eth0` 10.77.<k+1>.2/24 behind r<k>, default route via the router
+
+    `forward_ports` {home host: port}: the control, a router that forwards TCP and UDP `port` of its WAN address to
+    the host (DNAT) - what a user does by hand. Private address ranges only: real public reachability cannot be
+    had, so `hosts_names` writes /etc/netns/<ns>/hosts in every namespace of the lab (`ip netns exec` bind-mounts it
+    over /etc/hosts) with `<name>.lab` for each public host; a peer that needs a public-looking address (a relay
+    announcing a DNS name, with force_reachability) can use it. Everything lives in namespaces named by `prefix`
+    (and their /etc/netns folders): `down()` and `cleanup()` remove them as they remove a Star's.
+    """
+
+    def __init__(self, prefix: str, public: list[str], homes: list[str], *, forward_ports: dict[str, int] | None = None,
+                 hosts_names: bool = True):
+        names = [*public, *homes]
+        for n in names:
+            if not _NAME.match(n) or n == "hub" or re.match(r"^r\d+$", n):
+                raise ValueError(f"host name {n!r}: use 1-8 lowercase letters or digits, not 'hub' or r<number>")
+        if len(set(names)) != len(names):
+            raise ValueError(f"host names must be unique: {names}")
+        if not 1 <= len(public) <= 99 or len(homes) > 99:
+            raise ValueError("a NAT lab has 1-99 public hosts and at most 99 homes")
+        unknown = set(forward_ports or {}) - set(homes)
+        if unknown:
+            raise ValueError(f"forward_ports names hosts that are not homes: {sorted(unknown)}")
+        self.prefix, self.public, self.homes = prefix, list(public), list(homes)
+        self.forward_ports = dict(forward_ports or {})
+        self.hosts_names = hosts_names
+        self.hub = f"{prefix}hub"
+
+    def ns(self, host: str) -> str:
+        if host not in self.public and host not in self.homes and not re.match(r"^r\d+$", host):
+            raise KeyError(f"no host {host!r} in this lab (hosts: {', '.join(self.public + self.homes)})")
+        return f"{self.prefix}{host}"
+
+    def ip(self, host: str) -> str:
+        """The host's own address (for a home host: its LAN address, which nobody outside can reach)."""
+        if host in self.public:
+            return f"{NAT_SUBNET}.0.{self.public.index(host) + 1}"
+        k = self.homes.index(host)
+        return f"{NAT_SUBNET}.{k + 1}.2"
+
+    def wan_ip(self, host: str) -> str:
+        """The address the internet sees for `host`: its own for a public host, its router's for a home host."""
+        if host in self.public:
+            return self.ip(host)
+        return f"{NAT_SUBNET}.0.{101 + self.homes.index(host)}"
+
+    def exec_argv(self, host: str, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns(host), *argv]
+
+    def up(self) -> NatLab:
+        """Create everything; on any failure remove what was created and raise NetlabError."""
+        try:
+            sh("ip", "netns", "add", self.hub)
+            sh("ip", "-n", self.hub, "link", "set", "lo", "up")
+            sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+            sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+            for i, host in enumerate(self.public):
+                self._wire(self.ns(host), "eth0", f"p{i}", f"{self.ip(host)}/24")
+            for k, host in enumerate(self.homes):
+                self._add_home(k, host)
+            if self.hosts_names:
+                self._write_hosts()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _wire(self, ns: str, dev: str, port: str, cidr: str) -> None:
+        """A new namespace whose `dev` is plugged into the hub bridge at `port`, with address `cidr`."""
+        sh("ip", "netns", "add", ns)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.hub)
+        sh("ip", "-n", ns, "addr", "add", cidr, "dev", dev)
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+        sh("ip", "-n", self.hub, "link", "set", port, "master", "br0")
+        sh("ip", "-n", self.hub, "link", "set", port, "up")
+
+    def _add_home(self, k: int, host: str) -> None:
+        router, home = self.ns(f"r{k}"), self.ns(host)
+        lan_gw, host_ip, wan = f"{NAT_SUBNET}.{k + 1}.1", self.ip(host), self.wan_ip(host)
+        self._wire(router, "wan0", f"w{k}", f"{wan}/24")
+        sh("ip", "netns", "add", home)
+        sh("ip", "-n", home, "link", "set", "lo", "up")
+        sh("ip", "link", "add", "lan0", "netns", router, "type", "veth", "peer", "name", "eth0", "netns", home)
+        sh("ip", "-n", router, "addr", "add", f"{lan_gw}/24", "dev", "lan0")
+        sh("ip", "-n", router, "link", "set", "lan0", "up")
+        sh("ip", "-n", home, "addr", "add", f"{host_ip}/24", "dev", "eth0")
+        sh("ip", "-n", home, "link", "set", "eth0", "up")
+        sh("ip", "-n", home, "route", "add", "default", "via", lan_gw)
+        ipt = ["ip", "netns", "exec", router, "iptables"]
+        sh("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        sh(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE")
+        sh(*ipt, "-P", "FORWARD", "DROP")
+        sh(*ipt, "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT")
+        sh(*ipt, "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+           "-j", "ACCEPT")
+        port = self.forward_ports.get(host)
+        if port is not None:
+            for proto in ("tcp", "udp"):
+                sh(*ipt, "-t", "nat", "-A", "PREROUTING", "-i", "wan0", "-p", proto, "--dport", str(port), "-j",
+                   "DNAT", "--to-destination", f"{host_ip}:{port}")
+                sh(*ipt, "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-p", proto, "-d", host_ip, "--dport",
+                   str(port), "-m", "conntrack", "--ctstate", "DNAT", "-j", "ACCEPT")
+
+    def _namespaces(self) -> list[str]:
+        return [self.hub, *(self.ns(h) for h in self.public + self.homes),
+                *(self.ns(f"r{k}") for k in range(len(self.homes)))]
+
+    def _write_hosts(self) -> None:
+        lines = ["127.0.0.1 localhost", *(f"{self.ip(p)} {p}.lab" for p in self.public)]
+        for ns in self._namespaces():
+            d = os.path.join(ETC_NETNS, ns)
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "hosts"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+
+    def down(self) -> list[str]:
+        """Kill whatever runs inside, delete the namespaces and their /etc/netns folders. Idempotent."""
+        return remove_namespaces([ns for ns in list_namespaces() if ns.startswith(self.prefix)],
+                                 etc_prefix=self.prefix)
+
+    def __enter__(self) -> NatLab:
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def describe(self) -> str:
+        pub = ", ".join(f"{p}={self.ip(p)}" for p in self.public)
+        homes = ", ".join(f"{h}={self.ip(h)} behind {self.wan_ip(h)}"
+                          + (f" (port {self.forward_ports[h]} forwarded)" if h in self.forward_ports else "")
+                          for h in self.homes)
+        return f"public: {pub}; behind NAT: {homes}"
+
+
+def nat_unavailable_reason() -> str | None:
+    """Why a NatLab cannot be built here (one line), or None when it can."""
+    why = unavailable_reason()
+    if why is None and shutil.which("iptables") is None:
+        why = "`iptables` is not installed (apt-get install iptables)"
+    return why
+
+
 # ---------------------------------------------------------------------------------------------- cleanup
+ETC_NETNS = "/etc/netns"
+
 def list_namespaces() -> list[str]:
     r = sh("ip", "netns", "list", check=False)
     return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
@@ -182,7 +341,7 @@ def namespace_pids(ns: str) -> list[int]:
     return [int(p) for p in r.stdout.split() if p.isdigit()]
 
 
-def remove_namespaces(names: list[str], grace_s: float = 10.0) -> list[str]:
+def remove_namespaces(names: list[str], grace_s: float = 10.0, etc_prefix: str | None = None) -> list[str]:
     """Stop every process inside each namespace (a namespace outlives `ip netns del` while a process holds it, and
     so would its links), remove the unix sockets and /dev/shm/torch_* files those processes held (hivemind's p2pd
     sockets live in the shared /tmp), then delete the namespaces.
@@ -220,7 +379,17 @@ def remove_namespaces(names: list[str], grace_s: float = 10.0) -> list[str]:
     for ns in names:
         if sh("ip", "netns", "del", ns, check=False).returncode == 0:
             removed.append(ns)
+    # /etc/netns/<ns> (a NatLab's hosts files): ours by name, also where the namespace itself is already gone
+    for ns in set(names) | set(_etc_dirs(etc_prefix) if etc_prefix else ()):
+        shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
     return removed
+
+
+def _etc_dirs(prefix: str) -> list[str]:
+    try:
+        return [d for d in os.listdir(ETC_NETNS) if d.startswith(prefix)]
+    except FileNotFoundError:
+        return []
 
 
 def _signal_all(pids: list[int], sig: int) -> None:
@@ -257,12 +426,15 @@ def cleanup(tag: str = "gnl", include_live: bool = False) -> list[str]:
     """Remove the leftovers of crashed runs: namespaces named `<tag><pid>x...` whose creator PID no longer runs
     (with `include_live`, also those of running creators). Returns the namespaces removed."""
     pattern = re.compile(rf"^{re.escape(tag)}(\d+)x")
-    stale = []
-    for ns in list_namespaces():
-        m = pattern.match(ns)
-        if m and (include_live or not os.path.exists(f"/proc/{int(m.group(1))}")):
-            stale.append(ns)
-    return remove_namespaces(stale)
+    def dead(name: str) -> bool:
+        m = pattern.match(name)
+        return bool(m) and (include_live or not os.path.exists(f"/proc/{int(m.group(1))}"))
+
+    removed = remove_namespaces([ns for ns in list_namespaces() if dead(ns)])
+    for d in _etc_dirs(tag):  # a NatLab's hosts files whose namespaces are already gone
+        if dead(d):
+            shutil.rmtree(os.path.join(ETC_NETNS, d), ignore_errors=True)
+    return removed
 
 
 # ---------------------------------------------------------------------------------------------- probing
@@ -318,3 +490,40 @@ def measure_transfer(star: Star, src: str, dst: str, nbytes: int, timeout_s: flo
         sink.wait()
         sink.stdout.close()
         sink.stderr.close()
+
+
+_LISTEN = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(4); print("up", flush=True)
+while True:
+    c, _ = s.accept(); c.sendall(b"k"); c.close()
+"""
+_DIAL = """
+import socket, sys
+try:
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+    print("ok" if c.recv(1) == b"k" else "no")
+except OSError as e:
+    print("no", e)
+"""
+
+
+def can_connect(lab, src: str, dst: str, address: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Does a TCP connection from host `src` to `address:port` reach a listener on host `dst` (port `port`)?
+    `lab`: a Star or NatLab (anything with exec_argv)."""
+    py = sys.executable
+    server = subprocess.Popen(lab.exec_argv(dst, [py, "-c", _LISTEN, str(port)]), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ready, _, _ = select.select([server.stdout], [], [], 30)
+        if not ready or server.stdout.readline().strip() != "up":
+            raise NetlabError(f"listener on {dst}:{port} did not start: {server.stderr.read() if server.poll() else ''}")
+        r = subprocess.run(lab.exec_argv(src, [py, "-c", _DIAL, address, str(port), str(timeout_s)]),
+                           capture_output=True, text=True, timeout=timeout_s + 30, start_new_session=True)
+        return r.stdout.strip() == "ok"
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        server.stdout.close()
+        server.stderr.close()

@@ -36,6 +36,12 @@ class BootstrapConfig(BaseModel):
     log_interval_s: float = Field(30.0, gt=0, description="log the swarm's size this often")
     request_timeout_s: float = Field(10.0, gt=0, description="timeout of the DHT lookup that counts the peers")
     startup_timeout_s: float = Field(30.0, gt=0, description="how long p2pd and the DHT may take to start")
+    forwarding: bool = Field(True, description="forward streams between peers behind NAT that attach to this node "
+                             "(so two NATed peers can exchange; costs twice the forwarded bytes of its link); it "
+                             "also answers their reachability probes either way")
+    forward_max_circuits: int = Field(16, ge=1, description="streams forwarded at once")
+    forward_max_attached: int = Field(64, ge=1, description="peers behind NAT attached at once")
+    forward_circuit_timeout_s: float = Field(60.0, gt=0, description="longest life of one forwarded stream")
 
     _run_id = field_validator("run_id")(check_run_id)
     _key = field_validator("key_path")(check_key_path)

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from gasloc.bootstrap.config import BootstrapConfig
+from gasloc.runtime.lifecycle import shutdown_step
 from gasloc.runtime.procs import StopSignals, emit_ready
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,59 @@ def swarm_size(dht, run_id: str, timeout_s: float) -> dict[str, int]:
     return out
 
 
+class _Relay:
+    """The bootstrap's share of NAT traversal (peer/swarm/forward.py): it answers reachability probes and, with
+    `forwarding`, forwards streams to peers behind NAT that attach to it. Members are the run's live records,
+    listed every LIST_PERIOD_S on its own event loop."""
+
+    LIST_PERIOD_S = 2.0
+
+    def __init__(self, dht, cfg: BootstrapConfig):
+        from gasloc.peer.swarm.forward import RelayService, RoutedP2P
+        from gasloc.runtime.aio import LoopThread
+
+        self.dht, self.run_id = dht, cfg.run_id
+        self.members: set[str] = set()
+        self.aio = LoopThread("bootstrap-relay")
+        self.p2p = self.aio.run(dht.replicate_p2p(), cfg.startup_timeout_s)
+        routed = RoutedP2P(self.p2p, cfg.run_id, lambda peer: None)
+        self.service = RelayService(routed, is_member=lambda pid: str(pid) in self.members,
+                                    volunteer=cfg.forwarding, max_circuits=cfg.forward_max_circuits,
+                                    max_attached=cfg.forward_max_attached,
+                                    circuit_timeout_s=cfg.forward_circuit_timeout_s)
+        self.aio.run(self.service.start(), cfg.startup_timeout_s)
+        self.lister = self.aio.submit(self._list())
+
+    async def _list(self) -> None:
+        import asyncio
+
+        from hivemind.utils.timed_storage import get_dht_time
+
+        from gasloc.peer.swarm.membership import parse_listing, peers_key
+
+        while True:
+            try:
+                found = await asyncio.wait_for(self.dht.get(peers_key(self.run_id), latest=True,
+                                                            return_future=True), 5.0)
+                self.members = set(parse_listing(found, now=get_dht_time()))
+            except TimeoutError:
+                log.warning("relay_listing_timeout run_id=%s", self.run_id)
+            await asyncio.sleep(self.LIST_PERIOD_S)
+
+    def stop(self) -> None:
+        self.lister.cancel()
+        self.aio.run(self.service.stop(), 10)
+        self.aio.run(self.p2p.shutdown(), 10)
+        self.aio.stop()
+
+
+def _start_relay(dht, cfg: BootstrapConfig) -> _Relay:
+    relay = _Relay(dht, cfg)
+    log.info("relay forwarding=%s max_circuits=%d max_attached=%d", cfg.forwarding, cfg.forward_max_circuits,
+             cfg.forward_max_attached)
+    return relay
+
+
 def run(cfg: BootstrapConfig) -> int:
     stop = threading.Event()
     signals = StopSignals()
@@ -127,6 +181,7 @@ def run(cfg: BootstrapConfig) -> int:
                                  f"give this node its own key with --identity-path") from None
         raise BootstrapError(f"p2pd failed to start: {e}; check --host-maddrs and that the port is free "
                              f"(gasloc doctor --port {cfg.port})") from None
+    relay = None
     try:
         peer_id = str(dht.peer_id)
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
@@ -135,6 +190,7 @@ def run(cfg: BootstrapConfig) -> int:
         if cfg.maddrs_file is not None:
             write_maddrs_file(cfg.maddrs_file, peer_id, maddrs)
             log.info("maddrs_file=%s", cfg.maddrs_file)
+        relay = _start_relay(dht, cfg)
         emit_ready("bootstrap", peer_id, maddrs)
         while not stop.is_set():
             try:
@@ -144,6 +200,8 @@ def run(cfg: BootstrapConfig) -> int:
                 log.warning("swarm_size_timeout run_id=%s timeout_s=%.1f", cfg.run_id, cfg.request_timeout_s)
             stop.wait(cfg.log_interval_s)
     finally:
+        if relay is not None:
+            shutdown_step("relay.stop", relay.stop)
         dht.shutdown()
         dht.join(5)
         # no remove_own_shm() here: the swarm-size listings' shared-memory tensors are still alive, and torch aborts

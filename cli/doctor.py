@@ -18,6 +18,8 @@ class DoctorConfig(BaseModel):
     port: int = Field(0, ge=0, le=65535, description="the port the peer will listen on (0: any; not checked)")
     announce_maddrs: list[str] = Field(default_factory=list, description="addresses the peer will announce")
     public: bool = Field(False, description="the swarm is on the internet: announced addresses must be public")
+    run_id: str = Field("gasloc", description="the run to join: its initial peers answer the reachability "
+                        "probe (can they dial this machine back?)")
     checkpoint_dir: Path = Field(Path("runs"), description="where checkpoints will be written")
     min_free_disk_gb: float = Field(2.0, ge=0, description="FAIL below this much free disk (WARN below 4x)")
     timeout_s: float = Field(10.0, gt=0, description="per network step (p2pd start, connect, ping)")
@@ -44,7 +46,9 @@ def run_checks(cfg: DoctorConfig) -> list:
     from gasloc.cli.doctor_checks import check_cuda, check_dir_writable, check_disk, check_port, network_checks
 
     checks = [check_port(cfg.port)]
-    checks += network_checks(cfg.initial_peers, cfg.announce_maddrs, cfg.public, cfg.timeout_s, cfg.max_clock_skew_s)
+    port = checks[0].status == "OK" and cfg.port or 0   # a port in use would make p2pd fail: probe another
+    checks += network_checks(cfg.initial_peers, cfg.announce_maddrs, cfg.public, cfg.timeout_s, cfg.max_clock_skew_s,
+                             port=port, run_id=cfg.run_id)
     checks += [check_dir_writable(cfg.checkpoint_dir), check_disk(cfg.checkpoint_dir, cfg.min_free_disk_gb),
                check_cuda()]
     return checks
@@ -79,6 +83,7 @@ def render(checks: list) -> None:
 @click.option("--port", type=int, help="port the peer will listen on")
 @click.option("--announce-maddrs", multiple=True, help="address the peer will announce (repeatable)")
 @click.option("--public", is_flag=True, default=None, help="joining an internet swarm: require a public address")
+@click.option("--run-id", help="the run to join (its peers answer the reachability probe) [gasloc]")
 @click.option("--checkpoint-dir", type=click.Path(), help="where checkpoints will go [runs]")
 @click.option("--timeout-s", type=float, help="per network step [10]")
 def doctor(config_file, print_config, **flags) -> None:

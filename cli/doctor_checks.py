@@ -193,15 +193,49 @@ async def _ping(p2p, maddr: str, timeout_s: float, max_skew_s: float) -> list[Ch
     return checks
 
 
+async def _reachability(p2p, initial_peers: list[str], maddrs: list[str], run_id: str, timeout_s: float) -> Check:
+    """The peer's own start-up question (network.reachability auto), asked of the initial peers: can they dial
+    this machine's addresses back? (protocol/reach.py, docs/nat.md)"""
+    from gasloc.peer.swarm.forward import ask_probe, probe_addrs
+    from gasloc.protocol.messages import PROTOCOL_VERSION
+    from gasloc.protocol.reach import probe_verdict
+
+    port = next((int(m.split("/tcp/")[1].split("/")[0]) for m in maddrs if "/tcp/" in m), 0)
+    addrs = probe_addrs(maddrs)
+    name = "reachability"
+    if not addrs:
+        return Check(name, WARN, "no address another host could dial (loopback only)",
+                     "listen on 0.0.0.0 (the default) or announce a LAN or public IP")
+    ids = list(dict.fromkeys(peer_id_of(m) for m in initial_peers if "/p2p/" in m))
+    relay = f"{run_id}::gasloc.relay.v{PROTOCOL_VERSION}"
+    answers = [a for a in await asyncio.gather(*(ask_probe(p2p, relay, i, addrs, timeout_s) for i in ids))
+               if a is not None]
+    verdict = probe_verdict(answers)
+    shown = ", ".join(f"{h}:{p}" for h, p in addrs)
+    if verdict is None:
+        return Check(name, SKIP, f"no initial peer answers reachability probes for run {run_id!r} (a plain hivemind "
+                     "node, or another --run-id)", "give a gasloc bootstrap or peer of your run to find out")
+    if verdict:
+        return Check(name, OK, f"reachable: {sum(answers)}/{len(answers)} initial peer(s) dialled {shown} back; the "
+                     "peer will run as public (others call it directly)")
+    return Check(name, WARN, f"behind NAT: {len(answers)} initial peer(s) could not dial {shown}; the peer will run "
+                 "with reachability private: it calls public peers, attaches to a forwarder (bootstrap or public "
+                 "peer) and pairs with other NATed peers through it", "nothing is needed to train; to be dialled "
+                 f"directly (no forwarder in the way) forward TCP port {port or '<P>'} on your router to this host "
+                 f"and pass --port {port or '<P>'} --announce-maddrs /ip4/<your public IP>/tcp/{port or '<P>'}")
+
+
 async def _network(initial_peers: list[str], announce_maddrs: list[str], public: bool, timeout_s: float,
-                   max_skew_s: float) -> list[Check]:
+                   max_skew_s: float, port: int = 0, run_id: str = "gasloc") -> list[Check]:
     from hivemind.p2p import P2P
 
     t0 = time.monotonic()
     try:
         # every interface and port 0: the addresses it reports are what a peer here would announce
         # no UPnP: a diagnostic should not open ports on the router
-        p2p = await asyncio.wait_for(P2P.create(host_maddrs=["/ip4/0.0.0.0/tcp/0"], nat_port_map=False,
+        # on the peer's port where given (free: check_port ran first), so the reachability probe tests the
+        # router's forward of that very port
+        p2p = await asyncio.wait_for(P2P.create(host_maddrs=[f"/ip4/0.0.0.0/tcp/{port}"], nat_port_map=False,
                                                 announce_maddrs=announce_maddrs or None), timeout_s)
     except Exception as e:
         return [Check("p2pd", FAIL, f"p2pd did not start: {str(e).splitlines()[0][:160] if str(e) else type(e)}",
@@ -216,6 +250,8 @@ async def _network(initial_peers: list[str], announce_maddrs: list[str], public:
             out.append(Check("clock skew", SKIP, "no peer to compare with (give --initial-peers)"))
         for maddr in initial_peers:
             out += await _ping(p2p, maddr, timeout_s, max_skew_s)
+        if initial_peers:
+            out.append(await _reachability(p2p, initial_peers, announce_maddrs or visible, run_id, timeout_s))
     finally:
         await p2p.shutdown()
     return out
@@ -239,5 +275,5 @@ def check_announce(visible: list[str], public: bool, given: bool) -> Check:
 
 
 def network_checks(initial_peers: list[str], announce_maddrs: list[str], public: bool, timeout_s: float,
-                   max_skew_s: float) -> list[Check]:
-    return asyncio.run(_network(initial_peers, announce_maddrs, public, timeout_s, max_skew_s))
+                   max_skew_s: float, port: int = 0, run_id: str = "gasloc") -> list[Check]:
+    return asyncio.run(_network(initial_peers, announce_maddrs, public, timeout_s, max_skew_s, port, run_id))

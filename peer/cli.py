@@ -24,6 +24,9 @@ import click
 @click.option("--identity-path", type=click.Path(dir_okay=False), help="key file for a stable peer id")
 @click.option("--swarm-key", type=click.Path(dir_okay=False), help="swarm key file of a private swarm "
               "(gasloc keygen FILE); every peer and bootstrap of the swarm needs the same one")
+@click.option("--reachability", type=click.Choice(["auto", "public", "private"]),
+              help="can others dial this peer? auto: probe at start; private: behind NAT without a port forward "
+              "[auto]")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="training device [auto]")
 @click.option("--max-rounds", type=int, help="stop after this many outer rounds [run until stopped]")
 @click.option("--max-seconds", type=float, help="stop after this many seconds of training")
@@ -31,7 +34,7 @@ import click
               "free port) [off]")
 @click.option("--no-checkpoint", is_flag=True, help="neither write checkpoints nor resume from them")
 def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, port, host_maddrs, announce_maddrs,
-         identity_path, swarm_key, device, max_rounds, max_seconds, metrics_port, no_checkpoint) -> None:
+         identity_path, swarm_key, reachability, device, max_rounds, max_seconds, metrics_port, no_checkpoint) -> None:
     """Join a training swarm (or start one) and train until Ctrl+C or SIGTERM."""
     from gasloc.peer.config import PeerConfig
     from gasloc.runtime.config import ConfigError, dump_toml, resolve
@@ -40,8 +43,8 @@ def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, p
         "network.initial_peers": initial_peers, "swarm.run_id": run_id, "run.run_dir": run_dir,
         "outer.algorithm": algorithm, "network.port": port, "network.host_maddrs": host_maddrs,
         "network.announce_maddrs": announce_maddrs, "network.identity_path": identity_path, "swarm.key_path": swarm_key,
-        "run.device": device, "run.max_rounds": max_rounds, "run.max_seconds": max_seconds,
-        "metrics.port": metrics_port,
+        "network.reachability": reachability, "run.device": device, "run.max_rounds": max_rounds,
+        "run.max_seconds": max_seconds, "metrics.port": metrics_port,
     }
     try:
         cfg = resolve(PeerConfig, config_file, flags)

@@ -43,6 +43,19 @@ class NetworkConfig(_Section):
     identity_path: str | None = Field(None, description="file with this peer's private key (created if missing) "
                                       "for a stable peer id; unset: a new random id each start")
     startup_timeout_s: float = Field(30.0, gt=0, description="how long to wait for p2pd and the DHT to come up")
+    reachability: Literal["auto", "public", "private"] = Field(
+        "auto", description="can other peers dial this one? auto: ask up to 5 live peers at start to dial our "
+        "addresses back (reachable if half of those that answer can; nobody to ask: public); private (behind NAT "
+        "without a port forward): DHT in client mode, auto-relay on, attach to forwarders, call rather than be "
+        "called; public: others dial us (docs/nat.md)")
+    probe_timeout_s: float = Field(5.0, gt=0, description="reachability auto: how long to wait for the probers")
+    forwarding: bool = Field(True, description="when public: forward streams between peers behind NAT that "
+                             "attach to us (costs twice the forwarded bytes of our link; counted in metrics)")
+    forward_max_circuits: int = Field(16, ge=1, description="streams we forward at once (an exchange uses one "
+                                      "per lane)")
+    forward_max_attached: int = Field(32, ge=1, description="peers behind NAT that may attach to us at once")
+    attach_forwarders: int = Field(2, ge=1, le=8, description="when private: how many public peers to stay "
+                                   "attached to (others reach us through them)")
 
     @field_validator("initial_peers")
     @classmethod

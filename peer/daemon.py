@@ -218,9 +218,12 @@ class Peer:
         self.sink.emit("start", peer_id=self.peer_id, fingerprint=self.fingerprint,
                        algorithm=cfg.outer.algorithm, initial_loss=initial_loss, joined_from=joined_from,
                        round=self.round, num_params=n_params, device=str(self.device), maddrs=self.net.maddrs,
-                       metrics_url=self.metrics_url)
-        log.info("ready peer_id=%s round=%d initial_loss=%.4f joined_from=%s device=%s params=%d", self.peer_id,
-                 self.round, initial_loss, joined_from, self.device, n_params)
+                       metrics_url=self.metrics_url,
+                       reachability="private" if self.net.private else "public",
+                       reachability_source=self.net.reach_source)
+        log.info("ready peer_id=%s round=%d initial_loss=%.4f joined_from=%s device=%s params=%d reachability=%s "
+                 "source=%s", self.peer_id, self.round, initial_loss, joined_from, self.device, n_params,
+                 "private" if self.net.private else "public", self.net.reach_source)
         emit_ready("peer", self.peer_id, self.net.maddrs)
 
     def _make_sink(self) -> MetricsSink:
@@ -508,7 +511,8 @@ class Peer:
             consensus=consensus, compute_s=phase.compute_s, wait_s=ex.wait_s, transfer_s=ex.transfer_s,
             outer_s=outer_s, round_s=round_s, tokens_per_s=self.throughput_tps,
             peak_mem_mb=peak_memory_mb(self.device), attempts=ex.attempts, passed_over=ex.passed_over,
-            live_peers=self.live_count(), detail=ex.detail or None, code=ex.code, **_guard_fields(ex.guard))
+            live_peers=self.live_count(), detail=ex.detail or None, code=ex.code, **_guard_fields(ex.guard),
+            path=ex.path if ex.ok else None, **self.net.nat_metrics())
         log.info("round=%d loss=%.4f%s partner=%s outcome=%s MB=%.2f s=%.2f exchange_s=%.2f", self.round, phase.loss,
                  f" val_loss={val_loss:.4f}" if val_loss is not None else "", _short(ex.partner), outcome,
                  (ex.bytes_sent + ex.bytes_received) / 1e6, round_s, ex.exchange_s)

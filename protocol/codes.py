@@ -36,6 +36,9 @@ class Code(IntEnum):
     DISTRUSTED = 13, "Your model is too far from mine, or worse on my data: I did not mix it in (protocol/guard.py)."
     NOT_AUTHORIZED = 14, "You did not prove this private swarm's key; I do not talk to outsiders."
     RATE_LIMITED = 15, "You asked me for this too recently; ask another peer, or me again later."
+    NOT_ATTACHED = 16, "The peer you want me to forward to is not attached to me: I have no way to reach it."
+    FORWARD_FULL = 17, "I already forward as many circuits (or hold as many attached peers) as I volunteer for."
+    NOT_FORWARDING = 18, "I do not forward for others (I am not publicly reachable, or I did not volunteer)."
 
     @classmethod
     def parse(cls, value: int) -> Code:

@@ -24,6 +24,8 @@ Rules (their reasons are in protocol/partners.py):
   while someone was coming counts as a wait of that deadline, so the estimate grows back when it was too short),
   and at once when nobody is coming: no peer is ready and every training peer announces a round past ours (it
   already finished the round we are in and is busy with the next);
+- never call a peer in `uncallable` (behind NAT and attached to no forwarder: it calls; protocol/reach.py), but
+  keep waiting for its call;
 - pick among ready peers not in backoff, passing over our recent partners, and (with slower_link_ratio, in a
   "picky" search) peers on much slower links, for the first half of the window;
 - BUSY from the partner: a short cooldown for it and a random pause for us (two peers that called each other at
@@ -102,6 +104,7 @@ class Sight:
         ours (announced rounds are completed rounds; one past ours has left our round boundary behind).
         own_round None: unknown, every training peer counts."""
         return set(self.ready) | {q for q, r in self.training.items() if self.own_round is None or r <= self.own_round}
+    uncallable: Collection[str] = ()   # live peers nobody can call: they call us (protocol/reach.py route)
 
 
 class PartnerPolicy:
@@ -206,7 +209,9 @@ class Search:
                 and (not self.overlapped or sight.cut)):
             return Finish("nobody coming")
         p.backoff.forget_absent(sight.live)
-        others = [q for q in sight.live if not p.backoff.blocked(q, now)]
+        # a peer we do not call still counts as live (it may call us): we wait for it, we never dial it
+        uncallable = set(sight.uncallable)
+        others = [q for q in sight.live if not p.backoff.blocked(q, now) and q not in uncallable]
         rates = {q: sight.rates.get(q, 0.0) for q in others}
         slower = self.slower(rates, sight.own_link, now)
         explore = (peers_to_explore(sight.own_link, rates, now - self.start, self.window_s,
@@ -220,8 +225,8 @@ class Search:
         if p.trust is not None:  # a repeat offender is not called until its trust recovers, and picked less often
             trust = p.trust.weights(sight.ready, now)
             avoid |= {q for q, t in trust.items() if t < p.trust.cfg.busy_below}
-        partner = pick_partner(sight.ready, p.backoff, now, p.rng, weighted=r.bandwidth_weighting, avoid=avoid,
-                               trust=trust)
+        partner = pick_partner(sight.ready, p.backoff, now, p.rng, weighted=r.bandwidth_weighting,
+                               avoid=avoid | uncallable, trust=trust)
         if partner is not None:
             return Call(partner)
         left = self.deadline - now

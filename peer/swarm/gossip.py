@@ -129,7 +129,8 @@ class GossipAveraging:
                      rates={p: ex.rate(p) for p in live}, own_link=self.own_link(),
                      cut=cut is None or cut.is_set(), stopping=self.stopping.is_set(),
                      engaged_as_responder=(ex.engaged or "").startswith("responder"),
-                     training={p: r.round for p, r in live.items() if r.state == "training"}, own_round=round)
+                     training={p: r.round for p, r in live.items() if r.state == "training"}, own_round=round,
+                     uncallable=self.net.uncallable())
 
     async def _average(self, sent: list[torch.Tensor], round: int, cut: threading.Event | None = None,
                        window_s: float | None = None) -> RoundExchange:
@@ -192,6 +193,7 @@ class GossipAveraging:
         if not res.ok:
             return False
         report.received, report.kind, report.group_size = res.tensors, "pair", 2
+        report.path = self.net.p2p.path.get(res.partner, "direct")   # direct, or forwarded:<forwarder>
         t0 = self._search_t0
         self.policy.succeeded(res.partner, None if t0 is None else time.monotonic() - res.seconds - t0)
         return True

@@ -36,6 +36,7 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from gasloc import __version__
+from gasloc.protocol.reach import MAX_VIA, RECORD_REACH
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,27 @@ class PeerRecord(pv1.BaseModel):
         if v not in PEER_STATES:
             raise ValueError(f"unknown peer state {v!r}")
         return v
+
+    # NAT (protocol/reach.py): `reach`, `via`, `forwards` travel as extra fields, not declared ones - hivemind's
+    # SchemaValidator refuses a record whose parse differs from what was stored, and a declared field with a
+    # default would add itself to every record of a peer that predates it. So they are read here, with the
+    # defaults of such a peer, and a malformed claim reads as the least that it could mean.
+    @property
+    def reach(self) -> str:
+        """direct | relayed | outbound-only; absent: direct (an older peer); anything else: outbound-only."""
+        v = self.__dict__.get("reach", "direct")
+        return v if v in RECORD_REACH else "outbound-only"
+
+    @property
+    def via(self) -> list[str]:
+        """Forwarders this peer is attached to (reach it through them)."""
+        v = self.__dict__.get("via", [])
+        return [f for f in v if isinstance(f, str)][:MAX_VIA] if isinstance(v, list) else []
+
+    @property
+    def forwards(self) -> bool:
+        """It forwards streams for peers behind NAT that attach to it."""
+        return self.__dict__.get("forwards") is True
 
 
 class StatusView(pv1.BaseModel):
@@ -171,14 +193,16 @@ class Membership:
         self._failed_in_a_row = 0
         self.expirations: dict[str, float] = {}   # peer id -> DHT expiration of its entry, as of the last listing
 
-    def record(self, *, state: str, round: int, throughput_tps: float, bandwidth_bps: float,
-               **view: Any) -> PeerRecord:
-        """Our record; `view` holds StatusView's fields (loss, val_loss, round_s, partners). A non-finite float goes
-        out as None: the DHT's schema check compares values with ==, and NaN != NaN would make it drop the record."""
+    def record(self, *, state: str, round: int, throughput_tps: float, bandwidth_bps: float, reach: str = "direct",
+               via: list[str] | None = None, forwards: bool = False, **view: Any) -> PeerRecord:
+        """Our record; `view` holds StatusView's fields (loss, val_loss, round_s, partners), `reach`/`via`/`forwards`
+        what others need to call us from behind NAT (protocol/reach.py). A non-finite float goes out as None: the
+        DHT's schema check compares values with ==, and NaN != NaN would make it drop the record."""
         view = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in view.items()}
         return PeerRecord(peer_id=self.peer_id, protocol=self.protocol, fingerprint=self.fingerprint, state=state,
                           round=int(round), throughput_tps=float(throughput_tps), bandwidth_bps=float(bandwidth_bps),
-                          time=float(get_dht_time()), view=StatusView(version=__version__, **view).dict())
+                          time=float(get_dht_time()), view=StatusView(version=__version__, **view).dict(),
+                          reach=reach, via=list(via or [])[:MAX_VIA], forwards=forwards)
 
     async def announce(self, record: PeerRecord) -> bool:
         """Store our record with expiration now + ttl. False if no DHT node accepted it (logged, retried later)."""

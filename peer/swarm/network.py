@@ -23,6 +23,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from gasloc.peer.swarm.absence import AbsenceWatch
+from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe_addrs
 from gasloc.peer.swarm.membership import (
     IdentityError,
     Membership,
@@ -34,6 +35,7 @@ from gasloc.peer.swarm.membership import (
 from gasloc.peer.swarm.swarmkey import load_swarm_key
 from gasloc.protocol.auth import SwarmKeyError
 from gasloc.protocol.messages import PROTOCOL_VERSION
+from gasloc.protocol.reach import probed_reachability, record_reach, route
 from gasloc.runtime.aio import LoopThread
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.safeproc import SafeDHT
@@ -100,6 +102,8 @@ class Network:
         fresh = str(Path(self._identity_dir) / "identity.key")
         P2P.generate_identity(fresh)
         return fresh, True
+        self.relay: RelayService | None = None
+        self.private, self.reach_source = False, "config"
 
     # ------------------------------------------------------------------ startup (main thread)
     def start_dht(self) -> None:
@@ -112,6 +116,11 @@ class Network:
             except SwarmKeyError as e:
                 raise StartupError(str(e)) from None
             extra["authorizer"] = SwarmKeyAuthorizer(self.swarm_key)
+        # known to be behind NAT: a DHT client (a NATed node that hosts keys makes them flaky for everyone, and
+        # others' requests to it only time out) with libp2p's auto-relay on (circuit addresses, hole punching where
+        # the addresses allow it; our exchanges do not rely on it: docs/nat.md)
+        if net.reachability == "private":
+            extra.update(client_mode=True, use_auto_relay=True)
         identity_path, fresh = self._identity_path()
         if fresh:
             extra["check_if_identity_free"] = False   # a key made this instant cannot be in use elsewhere
@@ -149,19 +158,81 @@ class Network:
         """The event loop thread, the p2p replica (same daemon and peer id as the DHT) and the membership."""
         self.aio = LoopThread()
         timeout = self.cfg.network.startup_timeout_s
-        self.p2p = self.aio.run(self.dht.replicate_p2p(), timeout)
+        self.p2p = RoutedP2P(self.aio.run(self.dht.replicate_p2p(), timeout), self.cfg.swarm.run_id, self._via_of)
         self.membership = Membership(self.dht, self.signer, run_id=self.cfg.swarm.run_id, peer_id=self.peer_id,
                                      fingerprint=self.fingerprint, protocol=PROTOCOL_VERSION,
                                      ttl_s=self.cfg.swarm.announce_ttl_s,
                                      # a store or get stuck on an unresponsive DHT node must not outlive a refresh
                                      request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3))
-        self.aio.run(self.membership.announce(self._record()), timeout)
+        net = self.cfg.network
+        self.relay = RelayService(self.p2p, is_member=self.is_member, volunteer=False,
+                                  max_circuits=net.forward_max_circuits, max_attached=net.forward_max_attached,
+                                  circuit_timeout_s=self.cfg.exchange.exchange_timeout_s + 5)
+        self.aio.run(self.relay.start(), timeout)
         self.live = self.aio.run(self.membership.live_peers(), timeout) or {}
+        self.private, self.reach_source = self._learn_reachability()
+        self.relay.volunteer = net.forwarding and not self.private
+        self.aio.run(self.membership.announce(self._record()), timeout)
         self.listed_at = time.monotonic()
         self._announce_wanted, self._list_wanted = self.aio.run(_make_events(), timeout)
         self.absence = AbsenceWatch()
         self._tasks = [self.aio.submit(self._announcer()), self.aio.submit(self._lister()),
                        self.aio.submit(self._watch())]
+
+    # ------------------------------------------------------------------ reachability (protocol/reach.py)
+    def _learn_reachability(self) -> tuple[bool, str]:
+        """(behind NAT?, how we know): the config, or the dial-back probe of up to 5 live peers."""
+        net = self.cfg.network
+        if net.reachability != "auto":
+            return net.reachability == "private", "config"
+        addrs = probe_addrs(list(net.announce_maddrs) or self.maddrs)
+        # bootstrap nodes first: they are meant to be public, and a lone first peer has nobody else to ask
+        probers = [*self._bootstrap_ids(), *(p for p, r in self.live.items() if r.reach == "direct")][:5]
+        answers = []
+        if addrs and probers:
+            answers = self.aio.run(self.relay.probe(probers, addrs, net.probe_timeout_s), net.probe_timeout_s + 2)
+        return probed_reachability(bool(addrs), len(probers), answers)
+
+    @property
+    def reach(self) -> str:
+        return record_reach(self.private, len(self.relay.via))
+
+    def _via_of(self, peer: str) -> list[str] | None:
+        """RoutedP2P's question: None to dial `peer` directly, else its forwarders."""
+        rec = self.live.get(peer)
+        if rec is None or rec.reach == "direct":
+            return None
+        # a forwarder of theirs that is us: we hold their attachment, so a direct stream rides on it
+        via = [f for f in rec.via if f != self.peer_id]
+        return via if len(via) == len(rec.via) else None
+
+    def uncallable(self) -> set[str]:
+        """Live peers we do not call (they call us, or nobody can reach them): protocol.reach.route."""
+        ours = "direct" if not self.private else self.reach
+        return {p for p, r in self.live.items() if route(ours, r.reach, r.via) is None}
+
+    def _bootstrap_ids(self) -> list[str]:
+        """Peer ids of our initial peers (a gasloc bootstrap answers probes and forwards; a peer id that turns
+        out to be a plain hivemind node just refuses, and we try the next)."""
+        ids = [m.rsplit("/p2p/", 1)[1] for m in self.cfg.network.initial_peers if "/p2p/" in m]
+        return [i for i in dict.fromkeys(ids) if i != self.peer_id and i not in self.live]
+
+    def nat_metrics(self) -> dict:
+        """For each round's metrics line: our record's reachability, forwarders held, what we forwarded so far."""
+        r = self.relay
+        if r is None:
+            return {}
+        return {"reach": self.reach, "via": len(r.via), "forwarded_bytes": r.forwarded_bytes,
+                "forwarded_circuits": r.forwarded_circuits}
+
+    def _keep_attached(self) -> None:
+        if not self.private:
+            return
+        before = self.relay.via
+        candidates = [*self._bootstrap_ids(), *(p for p, r in self.live.items() if r.reach == "direct" and r.forwards)]
+        self.relay.keep_attached(candidates, self.cfg.network.attach_forwarders)
+        if self.relay.via != before:
+            self._announce_wanted.set()
 
     def start_state_server(self) -> None:
         from gasloc.peer.transport.state_transfer import StateServer
@@ -179,7 +250,8 @@ class Network:
     def _record(self) -> PeerRecord:
         s = self.status()
         return self.membership.record(state=s.state, round=s.round, throughput_tps=s.throughput_tps,
-                                      bandwidth_bps=s.bandwidth_bps, **s.view)
+                                      bandwidth_bps=s.bandwidth_bps, reach=self.reach, via=self.relay.via,
+                                      forwards=self.relay.volunteer, **s.view)
 
     def announce(self, wait: bool = False) -> None:
         """Announce the peer's current state: in the background (one store at a time, the latest state wins), or
@@ -212,6 +284,7 @@ class Network:
             # an empty list here would make every partner a stranger to our Exchanger (NOT_MEMBER)
             self.live = found if found is not None else self.membership.prune(self.live)
             self.listed_at = time.monotonic()
+            self._keep_attached()
 
     async def _watch(self) -> None:
         while True:
@@ -292,9 +365,11 @@ class Network:
         # Only peers that trained at least one round: peers started together all hold the seed model already.
         # The announced round is a claim, so it does not pick the donor: a random one of the top join_donor_pool
         # goes first (a liar claiming round 1e9 is first only that often), then the rest, most advanced first; a
-        # donor that fails (dies mid-transfer, busy, garbage) is skipped for the next.
+        # donor that fails (dies mid-transfer, busy, garbage) is skipped for the next. Not peers we cannot reach
+        # (behind NAT while we are public, or NATed without a forwarder).
+        skip = self.uncallable()
         donors = sorted((pid for pid, r in live.items() if r.state != "joining" and r.round > 0
-                         and pid not in exclude), key=lambda p: -live[p].round)
+                         and pid not in exclude and pid not in skip), key=lambda p: -live[p].round)
         top = donors[:self.cfg.swarm.join_donor_pool]
         random.shuffle(top)
         donors = top + donors[len(top):]
@@ -340,6 +415,8 @@ class Network:
         if self.aio is not None:
             if self.state_server is not None:
                 shutdown_step("state_server.stop", lambda: self.aio.run(self.state_server.stop(), 10))
+            if getattr(self, "relay", None) is not None:
+                shutdown_step("relay.stop", lambda: self.aio.run(self.relay.stop(), 10))
             if self.p2p is not None:
                 shutdown_step("p2p.shutdown", lambda: self.aio.run(self.p2p.shutdown(), 10))
             self.aio.stop()

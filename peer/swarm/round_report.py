@@ -34,6 +34,7 @@ class RoundExchange:
     code: str | None = None      # the status code name of a rejected exchange
     overlapped: bool = False     # outer.overlap: it ran during the next round's inner steps (no transfer time)
     guard: dict | None = None    # the guard's verdict on the partner (peer/daemon.py _judge), for the metrics line
+    path: str | None = None      # ok pair exchanges: "direct" or "forwarded:<forwarder>" (behind NAT)
 
     @property
     def ok(self) -> bool:

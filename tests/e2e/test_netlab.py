@@ -3,6 +3,7 @@ exception inside it, and by `cleanup()` when its creator died. Needs root and `i
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
@@ -82,3 +83,47 @@ def test_bad_topologies_are_refused():
         netlab.Node("a", 0)
     with pytest.raises(ValueError, match="lowercase"):
         netlab.Node("Bad-Name", 1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(netlab.nat_unavailable_reason() is not None, reason=f"{netlab.nat_unavailable_reason()}")
+def test_nat_lab_routers_masquerade_block_inbound_and_forward_ports_on_request():
+    prefix = netlab.run_prefix("gnt")
+    lab = netlab.NatLab(prefix, public=["pub"], homes=["h1", "h2"], forward_ports={"h2": 4002})
+    with lab:
+        pub, h1, h2 = lab.ip("pub"), lab.ip("h1"), lab.ip("h2")
+        # out of a home: fine (MASQUERADE); the public side sees the router's address, not the LAN one
+        assert netlab.can_connect(lab, "h1", "pub", pub, 4001)
+        # into a home: nobody outside reaches the LAN address, nor the router without a forward
+        assert not netlab.can_connect(lab, "pub", "h1", h1, 4001)
+        assert not netlab.can_connect(lab, "pub", "h1", lab.wan_ip("h1"), 4001)
+        assert not netlab.can_connect(lab, "h2", "h1", lab.wan_ip("h1"), 4001)
+        assert not netlab.can_connect(lab, "h1", "h2", h2, 4002)
+        # the control: h2's router forwards port 4002, so the internet (and the other home) reaches h2
+        assert netlab.can_connect(lab, "pub", "h2", lab.wan_ip("h2"), 4002)
+        assert netlab.can_connect(lab, "h1", "h2", lab.wan_ip("h2"), 4002)
+        hosts = open(f"/etc/netns/{lab.ns('h1')}/hosts").read()
+        assert f"{pub} pub.lab" in hosts
+        seen = subprocess.run(lab.exec_argv("h1", ["getent", "hosts", "pub.lab"]), capture_output=True, text=True)
+        assert pub in seen.stdout
+    assert _ours(prefix) == []
+    assert not any(d.startswith(prefix) for d in os.listdir("/etc/netns"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(netlab.nat_unavailable_reason() is not None, reason=f"{netlab.nat_unavailable_reason()}")
+def test_nat_lab_leftovers_of_a_dead_creator_are_removed():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    prefix = netlab.run_prefix("gnt", pid=dead.pid)
+    netlab.NatLab(prefix, public=["pub"], homes=["h1"]).up()
+    assert len(_ours(prefix)) == 4  # hub, pub, router, home
+    netlab.cleanup("gnt")
+    assert _ours(prefix) == [] and not [d for d in os.listdir("/etc/netns") if d.startswith(prefix)]
+
+
+def test_bad_nat_labs_are_refused():
+    with pytest.raises(ValueError, match="not homes"):
+        netlab.NatLab("gntx", ["pub"], ["h1"], forward_ports={"pub": 1})
+    with pytest.raises(ValueError, match="r<number>"):
+        netlab.NatLab("gntx", ["pub"], ["r0"])

@@ -74,6 +74,8 @@ def test_missing_field_is_rejected_and_unknown_fields_are_tolerated(two_peers):
     assert not val_b.validate(_dht_record(val_a, sig_a, incomplete))
     # a newer peer may announce more fields (rolling upgrade); older peers still accept the record
     assert val_b.validate(_dht_record(val_a, sig_a, _record(gpu="H100")))
+    # the NAT fields are such extra fields: records with and without them both pass
+    assert val_b.validate(_dht_record(val_a, sig_a, _record(reach="relayed", via=["12D3KooWR"], forwards=False)))
 
 
 def test_nobody_can_write_under_another_peers_key(two_peers):

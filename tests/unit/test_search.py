@@ -280,3 +280,13 @@ def test_a_partner_without_a_free_offer_is_not_coming_whatever_the_stale_listing
     s = policy(ADAPT).begin(0.0)
     s.called("a", "busy", 0.0)
     assert s.next(sight({"a"}, {"a"}, own_round=7), 0.1) == Wait(0.25)
+
+
+def test_a_peer_we_must_not_call_is_never_called_but_still_waited_for():
+    """A peer behind NAT attached to no forwarder (uncallable: it calls us): we wait for its call instead of
+    dialling, and do not finish as if alone."""
+    s = policy().begin(0.0)
+    actions, end = run_until_finish(s, lambda now: sight({"nat"}, {"nat"}, uncallable={"nat"}))
+    assert end == pytest.approx(10.0) and not any(isinstance(a, Call) for a in actions)
+    # with a callable peer ready too, that one is called
+    assert policy().begin(0.0).next(sight({"nat", "pub"}, {"nat", "pub"}, uncallable={"nat"}), 0.0) == Call("pub")

@@ -1,0 +1,175 @@
+"""Peers behind NAT, on the NAT lab (bench/netlab.py NatLab): a bootstrap and 2 public peers on the "internet", and
+2 peers behind two separate home routers (MASQUERADE, nothing forwarded in). Real gasloc processes, tiny model.
+
+What must hold: each NATed peer learns it is behind NAT (one by the dial-back probe, one from the config), joins by
+downloading the state, pairs >= 3 times, at least once with the other NATed peer (through a forwarder: the metrics
+name it) and once with a public peer, and keeps (nearly) up with the public peers' rounds; the public peers never
+dial a NATed one directly (only through a forwarder); gasloc doctor says which host is behind NAT. Needs root,
+`ip netns` and iptables."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from e2e.harness import Harness, child_env
+from e2e.swarm_helpers import rounds, start_event, write_config
+from gasloc.runtime.procs import gasloc_argv
+
+_spec = importlib.util.spec_from_file_location("netlab", Path(__file__).resolve().parents[2] / "bench" / "netlab.py")
+netlab = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("netlab", netlab)
+_spec.loader.exec_module(netlab)
+
+_why = netlab.nat_unavailable_reason()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=f"NAT lab: {_why}")]
+
+ANY = "/ip4/0.0.0.0/tcp/0"
+PUBLIC, NATED = ["pa", "pb"], ["na", "nb"]
+
+
+@pytest.fixture
+def lab():
+    lab = netlab.NatLab(netlab.run_prefix("gnx"), public=["boot", *PUBLIC], homes=NATED)
+    lab.up()
+    try:
+        yield lab
+    finally:
+        lab.down()
+
+
+def spawn_in(h: Harness, lab, host: str, name: str, *args):
+    argv = lab.exec_argv(host, gasloc_argv(*map(str, args)))
+    return h.sup.start(name, argv, h.run_dir / f"{name}.log", env=child_env(), cwd=h.run_dir)
+
+
+def lab_maddr(maddrs: list[str], ip: str) -> str:
+    return next(m for m in maddrs if f"/ip4/{ip}/" in m)
+
+
+@pytest.mark.timeout(360)   # ~60 s on an idle machine; 203 s seen at a load average of 44
+def test_two_nated_peers_pair_with_each_other_and_with_public_peers(lab, harness):
+    h = harness
+    config = write_config(h, deadline_s=1.2)
+    boot = spawn_in(h, lab, "boot", "bootstrap", "bootstrap", "--host-maddrs", ANY, "--run-id", "e2e")
+    ready = h.wait_ready(boot, 90)
+    boot_addr = lab_maddr(ready["maddrs"], lab.ip("boot"))
+
+    def peer(host: str, *extra: str):
+        return spawn_in(h, lab, host, host, "peer", "--config", config, "--initial-peers", boot_addr,
+                        "--host-maddrs", ANY, "--run-dir", h.dir(host), *extra)
+
+    ids = {"boot": ready["peer_id"]}
+    pub = {n: peer(n) for n in PUBLIC}
+    ids.update({n: h.wait_ready(c, 150)["peer_id"] for n, c in pub.items()})
+    # na learns it by the probe; nb is told (and so also runs its DHT in client mode)
+    nat = {"na": peer("na"), "nb": peer("nb", "--reachability", "private")}
+    ids.update({n: h.wait_ready(c, 150)["peer_id"] for n, c in nat.items()})
+    names = {v: k for k, v in ids.items()}
+
+    starts = {n: start_event(h, n) for n in [*PUBLIC, *NATED]}
+    for n in PUBLIC:
+        assert starts[n]["reachability"] == "public", starts[n]
+    assert starts["na"]["reachability"] == "private" and starts["na"]["reachability_source"].startswith("probe("), \
+        starts["na"]
+    assert starts["nb"]["reachability"] == "private" and starts["nb"]["reachability_source"] == "config"
+    for n in NATED:  # joined late, from behind NAT: the state came from a peer of the running swarm
+        assert names.get(starts[n]["joined_from"]) in PUBLIC, starts[n]
+    t0 = time.time()
+
+    def ok_with(n: str) -> Counter:
+        return Counter(names.get(r["partner"], "?") for r in rounds(h, n) if r["outcome"] == "ok" and r["time"] > t0)
+
+    def done() -> bool:
+        # enough rounds in the window for the 90% comparison below to mean something
+        # (20: one round is then 5% of the comparison; with 10 a run at load average 44 saw 8-9 against 10)
+        if min(sum(1 for r in rounds(h, n) if r["time"] > t0) for n in PUBLIC) < 20:
+            return False
+        for n, other in (("na", "nb"), ("nb", "na")):
+            got = ok_with(n)
+            if sum(got.values()) < 3 or got[other] < 1 or not any(got[p] for p in PUBLIC):
+                return False
+        return True
+
+    h.wait_until(done, 180, "each NATed peer: >= 3 ok exchanges, >= 1 with the other NATed peer and >= 1 with a "
+                 "public one, and 20 public rounds", alive=(*PUBLIC, *NATED))
+    t1 = time.time()
+
+    for n in NATED:
+        rs = [r for r in rounds(h, n) if r["time"] > t0]
+        assert rs[-1]["reach"] == "relayed" and rs[-1]["via"] >= 1, rs[-1]
+        other = "nb" if n == "na" else "na"
+        paths = [r["path"] for r in rs if r["outcome"] == "ok" and names.get(r["partner"]) == other]
+        # the NAT <-> NAT exchanges went through a public peer or the bootstrap, and the metrics say which
+        assert paths and all(p.startswith("forwarded:") and names[p.split(":", 1)[1]] in ["boot", *PUBLIC]
+                             for p in paths), paths
+        # with a public peer: direct when the NATed peer called (or the public peer is its forwarder), else through
+        # its forwarder
+        assert all(r["path"] == "direct" or names[r["path"].split(":", 1)[1]] in ["boot", *PUBLIC]
+                   for r in rs if r["outcome"] == "ok" and names.get(r["partner"]) in PUBLIC)
+
+    # whoever forwarded counted it (the bootstrap logs no rounds); no public peer's dial of a NATed one timed out
+    forwarders = {names[p.split(":", 1)[1]] for n in NATED for r in rounds(h, n) if (p := r.get("path") or "")
+                  .startswith("forwarded:")}
+    for n in forwarders & set(PUBLIC):
+        assert rounds(h, n)[-1]["forwarded_bytes"] > 0
+    for n in PUBLIC:
+        assert "deadline passed during connect" not in h.log(n)
+
+    # gasloc doctor, run on a NATed host and on a public one, asks the bootstrap to dial it back
+    for host, verdict, fix in (("nb", "WARN behind NAT", "forward TCP port 4100"), ("pa", "OK reachable", "")):
+        r = subprocess.run(lab.exec_argv(host, gasloc_argv("doctor", "--initial-peers", boot_addr, "--run-id", "e2e",
+                                                           "--port", "4100", "--checkpoint-dir", h.dir("doc"))),
+                           capture_output=True, text=True, timeout=120, env=child_env(), start_new_session=True)
+        flat = " ".join(r.stdout.split())
+        status, first = verdict.split(" ", 1)
+        assert r.returncode == 0 and f"reachability │ {status} │ {first}" in flat and fix in flat, r.stdout + r.stderr
+
+    # keeping up: rounds finished in [t0, t1] by each NATed peer against the public peers' (same run, same window)
+    def count(n: str) -> int:
+        return sum(1 for r in rounds(h, n) if t0 < r["time"] <= t1)
+    # The issue's 90%. Before public peers called NATed ones through their forwarders, NATed peers waited 0.56 s
+    # per round against 0.17 s and finished 14-17 of 20 (docs/nat.md).
+    public_rounds = min(count(n) for n in PUBLIC)
+    for n in NATED:
+        assert count(n) >= 0.9 * public_rounds, {k: count(k) for k in [*PUBLIC, *NATED]}
+
+
+@pytest.fixture
+def nat_only_lab():
+    lab = netlab.NatLab(netlab.run_prefix("gnx"), public=["boot"], homes=["n1", "n2", "n3"])
+    lab.up()
+    try:
+        yield lab
+    finally:
+        lab.down()
+
+
+@pytest.mark.timeout(300)
+def test_a_swarm_of_nated_peers_only_pairs_through_the_bootstrap(nat_only_lab, harness):
+    """A public bootstrap and 3 peers behind 3 NATs, nobody told anything: each learns from the bootstrap's probe
+    that it is behind NAT, attaches to the bootstrap, and pairs >= 3 times with the others through it."""
+    h, lab, homes = harness, nat_only_lab, nat_only_lab.homes
+    config = write_config(h, deadline_s=1.2)
+    boot = spawn_in(h, lab, "boot", "bootstrap", "bootstrap", "--host-maddrs", ANY, "--run-id", "e2e")
+    ready = h.wait_ready(boot, 90)
+    boot_addr = lab_maddr(ready["maddrs"], lab.ip("boot"))
+    kids = {n: spawn_in(h, lab, n, n, "peer", "--config", config, "--initial-peers", boot_addr,
+                        "--host-maddrs", ANY, "--run-dir", h.dir(n)) for n in homes}
+    ids = {n: h.wait_ready(c, 150)["peer_id"] for n, c in kids.items()}
+    for n in homes:
+        st = start_event(h, n)
+        assert st["reachability"] == "private" and st["reachability_source"] == "probe(0/1 dialled back)", st
+
+    def done() -> bool:
+        return all(sum(r["outcome"] == "ok" for r in rounds(h, n)) >= 3 for n in homes)
+    h.wait_until(done, 180, "every NATed peer: >= 3 ok exchanges", alive=tuple(homes))
+    for n in homes:
+        oks = [r for r in rounds(h, n) if r["outcome"] == "ok"]
+        assert {r["partner"] for r in oks} <= set(ids.values()) - {ids[n]}
+        assert all(r["path"] == f"forwarded:{ready['peer_id']}" for r in oks), [r["path"] for r in oks]

@@ -1,0 +1,142 @@
+"""Forwarding for peers behind NAT (peer/swarm/forward.py) over real p2pd daemons on loopback: an exchange from A to
+B through forwarder R (B attached to R), and the codes R and B answer to bad requests. Loopback has no NAT: what is
+tested here is the forwarding itself; tests/e2e/test_nat.py runs it behind real NAT routers."""
+import asyncio
+
+import pytest
+import torch
+from p2p_helpers import arun, p2p_nodes
+
+from gasloc.peer.swarm.forward import RelayService, RoutedP2P, _send, read_frame
+from gasloc.peer.transport.exchange import ExchangeConfig, Exchanger
+from gasloc.protocol.codes import Code
+from gasloc.protocol.messages import fingerprint
+from gasloc.protocol.reach import ForwardedHello, RelayReply, RelayRequest
+
+NS = "ftest"
+FP = fingerprint(preset="test", seq_len=16)
+SHAPES = [(300, 500), (77,)]
+
+
+def tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def relay(routed, members, volunteer=True, **kw):
+    return RelayService(routed, is_member=lambda pid: str(pid) in members, volunteer=volunteer,
+                        max_circuits=kw.get("max_circuits", 8), max_attached=kw.get("max_attached", 4),
+                        circuit_timeout_s=20)
+
+
+async def ask(p2p, peer, request: bytes | RelayRequest, name=f"{NS}::gasloc.relay.v1") -> RelayReply:
+    _, reader, writer = await p2p.call_binary_stream_handler(peer, name)
+    try:
+        if isinstance(request, bytes):
+            writer.write(request)
+            await writer.drain()
+        else:
+            await _send(writer, request)
+        return await asyncio.wait_for(read_frame(reader, RelayReply), 5)
+    finally:
+        writer.close()
+
+
+async def until(cond, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_exchange_through_a_forwarder_is_bit_exact_and_counted():
+    async def main():
+        async with p2p_nodes(3) as (a, r, b):
+            ids = {str(p.peer_id) for p in (a, r, b)}
+            ra = RoutedP2P(a, NS, lambda peer: [str(r.peer_id)] if peer == str(b.peer_id) else None)
+            rr, rb = RoutedP2P(r, NS, lambda peer: None), RoutedP2P(b, NS, lambda peer: None)
+            services = [relay(ra, ids, volunteer=False), relay(rr, ids), relay(rb, ids, volunteer=False)]
+            for s in services:
+                await s.start()
+            sr, sb = services[1], services[2]
+            sb.keep_attached([str(r.peer_id)], want=1)
+            await until(lambda: str(b.peer_id) in sr.attached_peers)
+            assert sb.via == [str(r.peer_id)]
+            cfg = ExchangeConfig(exchange_timeout_s=10, min_stream_bytes=100_000)   # several lanes, all forwarded
+            ea = Exchanger(cfg, ra, specs=[(s, torch.float32) for s in SHAPES], fingerprint=FP,
+                           is_member=lambda p: str(p) in ids, namespace=NS)
+            eb = Exchanger(cfg, rb, specs=[(s, torch.float32) for s in SHAPES], fingerprint=FP,
+                           is_member=lambda p: str(p) in ids, namespace=NS)
+            await ea.start()
+            await eb.start()
+            ta, tb = tensors(1), tensors(2)
+            ea.offer(ta, round=1)
+            eb.offer(tb, round=1)
+            res = await ea.exchange(b.peer_id)
+            got = await eb.wait_incoming(5)
+            assert res.ok and got.ok, (res.log_line(), got and got.log_line())
+            assert got.partner == str(a.peer_id)        # B saw A, not the forwarder
+            assert all(torch.equal(x, y) for x, y in zip(res.tensors, tb))
+            assert all(torch.equal(x, y) for x, y in zip(got.tensors, ta))
+            assert ra.path[str(b.peer_id)] == f"forwarded:{r.peer_id}"
+            assert rb.path[str(a.peer_id)] == f"forwarded:{r.peer_id}"
+            payload = sum(t.numel() * 4 for t in ta)
+            assert sr.forwarded_bytes >= 2 * payload and sr.forwarded_circuits == res.streams > 1
+            for e in (ea, eb):
+                await e.stop()
+            for s in services:
+                await s.stop()
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_bad_relay_requests_get_codes():
+    async def main():
+        async with p2p_nodes(3) as (a, r, c):
+            members = {str(a.peer_id), str(r.peer_id)}      # c is not a member
+            rr = RoutedP2P(r, NS, lambda peer: None)
+            sr = relay(rr, members)
+            await sr.start()
+            assert Code(( await ask(a, r.peer_id, b"\x00\x00\x00\x05hello")).code) == Code.BAD_HEADER
+            too_many = b'{"protocol_version":1,"kind":"probe","addrs":' + str([["10.0.0.1", 1]] * 9).replace(
+                "'", '"').encode() + b"}"
+            reply = await ask(a, r.peer_id, len(too_many).to_bytes(4, "big") + too_many)
+            assert Code(reply.code) == Code.BAD_HEADER and "addrs" in reply.message
+            reply = await ask(a, r.peer_id, RelayRequest(kind="forward", target=str(c.peer_id), handler="x"))
+            assert Code(reply.code) == Code.NOT_ATTACHED
+            assert Code((await ask(c, r.peer_id, RelayRequest(kind="attach"))).code) == Code.NOT_MEMBER
+            # probes: loopback is never dialled (it would be the prober's own host), nor port 0. (Whether a closed
+            # remote port reads unreachable depends on the host: this machine's outbound TCP connects anywhere.)
+            reply = await ask(c, r.peer_id, RelayRequest(kind="probe", addrs=(("127.0.0.1", 1), ("10.0.0.1", 0))))
+            assert Code(reply.code) == Code.OK and reply.reachable == (False, False)
+            sr.volunteer = False
+            assert Code((await ask(a, r.peer_id, RelayRequest(kind="attach"))).code) == Code.NOT_FORWARDING
+            await sr.stop()
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+def test_forwarded_streams_only_from_forwarders_we_attached_to():
+    async def main():
+        async with p2p_nodes(2) as (b, c):
+            rb = RoutedP2P(b, NS, lambda peer: None)
+            sb = relay(rb, {str(b.peer_id), str(c.peer_id)}, volunteer=False)
+            await sb.start()
+            called = []
+
+            async def handler(info, reader, writer):
+                called.append(str(info.peer_id))
+                writer.close()
+            await rb.add_binary_stream_handler(f"{NS}::h", handler)
+            # c claims to forward a stream from a made-up origin; b never attached to c
+            _, reader, writer = await c.call_binary_stream_handler(b.peer_id, f"{NS}::gasloc.forwarded.v1")
+            await _send(writer, ForwardedHello(origin=str(c.peer_id), handler=f"{NS}::h"))
+            try:   # closed on us (p2pd shows the close as an EOF or as a reset), nothing dispatched
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+            except ConnectionResetError:
+                pass
+            writer.close()
+            assert called == []
+            await sb.stop()
+    arun(main())

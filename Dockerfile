@@ -2,7 +2,7 @@
 # bundles the CUDA runtime and cuDNN as wheels, so the image needs only the host's NVIDIA driver (>= 525 through CUDA minor-version
 # compatibility), injected by the NVIDIA container toolkit (`docker run --gpus all`).
 #   docker build -t gasloc .                      (--build-arg TORCH=torch==X to pick another torch build)
-#   docker run --gpus all -p 31337:31337/tcp -p 31337:31337/udp -v gasloc-ckpt:/data/checkpoints gasloc \
+#   docker run --init --gpus all -p 31337:31337/tcp -p 31337:31337/udp -v gasloc-ckpt:/data/checkpoints gasloc \
 #       peer --port 31337 --initial-peers /ip4/BOOTSTRAP_IP/tcp/31337/p2p/12D3KooW... --run-dir /data/run
 # docker-compose.yml beside this file runs a bootstrap node and two peers (docker-compose.gpu.yml adds the GPUs).
 # Without Docker Hub or a package index, docker/build.sh builds it with a stand-in base and a local wheelhouse.

@@ -164,6 +164,8 @@ def _compose_client() -> list[str] | None:
 
 def test_compose_file_needs_no_gpu_and_the_gpu_override_adds_one_per_peer():
     assert not [n for n, s in _compose()["services"].items() if "deploy" in s]
+    # an init process as PID 1 (the bootstrap crashed on docker stop without one: docs/docker.md)
+    assert all(s.get("init") is True for s in _compose()["services"].values())
     gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())["services"]
     assert set(gpu) == {"peer1", "peer2"}
     for svc in gpu.values():

@@ -2,12 +2,24 @@
 # bundles the CUDA runtime and cuDNN as wheels, so the image needs only the host's NVIDIA driver (>= 525 through CUDA minor-version
 # compatibility), injected by the NVIDIA container toolkit (`docker run --gpus all`).
 #   docker build -t gasloc .                      (--build-arg TORCH=torch==X to pick another torch build)
-#   docker run --gpus all -p 31337:31337/tcp -p 31337:31337/udp -v gasloc-ckpt:/data/checkpoints gasloc \
+#   docker run --init --gpus all -p 31337:31337/tcp -p 31337:31337/udp -v gasloc-ckpt:/data/checkpoints gasloc \
 #       peer --port 31337 --initial-peers /ip4/BOOTSTRAP_IP/tcp/31337/p2p/12D3KooW... --run-dir /data/run
-# docker-compose.yml beside this file runs a bootstrap node and two peers.
-FROM python:3.11-slim-bookworm
+# docker-compose.yml beside this file runs a bootstrap node and two peers (docker-compose.gpu.yml adds the GPUs).
+# Without Docker Hub or a package index, docker/build.sh builds it with a stand-in base and a local wheelhouse.
+# The base: any Debian-like image with Python 3.11 and pip, and `python` on PATH.
+ARG BASE=python:3.11-slim-bookworm
+FROM ${BASE}
 
 ARG TORCH=torch==2.13.0
+# pip's settings for this build only (pip reads PIP_* from the environment). As ARGs they are set while the RUN
+# steps below run and are not part of the image's environment; `docker history` shows their values, so give no
+# credentials here. PIP_CERT is a CA bundle's path inside the build (the stand-in base carries the host's bundle).
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
+ARG PIP_TRUSTED_HOST
+ARG PIP_CERT
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \

@@ -15,7 +15,7 @@ from gasloc.peer.checkpoint import CheckpointConfig
 from gasloc.peer.train.data import DataConfig
 from gasloc.peer.train.inner import InnerConfig
 from gasloc.peer.train.model import ModelConfig
-from gasloc.peer.train.outer import OuterConfig
+from gasloc.peer.train.outer import OuterConfig, fit_to_h
 from gasloc.peer.transport.exchange import ExchangeConfig
 from gasloc.peer.transport.state_transfer import StateTransferConfig
 from gasloc.protocol.messages import check_run_id
@@ -159,6 +159,7 @@ class PeerConfig(_Section):
     def _communicating(self) -> PeerConfig:
         if self.outer.algorithm == "local":
             raise ValueError("outer.algorithm 'local' never communicates: it runs in `gasloc sim`, not in a swarm")
+        self.outer = fit_to_h(self.outer, self.inner.inner_steps)
         return self
 
     @property

@@ -88,7 +88,7 @@ def test_time_budget_gives_fast_workers_more_steps_and_local_sends_nothing():
 
 
 def test_two_partner_mixing_uses_symmetric_weights_and_keeps_the_mean():
-    t = SimTrainer(cfg(workers=3, **{"num_partners": 2}))
+    t = SimTrainer(cfg(workers=3, **{"num_partners": 2, "schedule": "lockstep"}))
     xs = [torch.tensor([0.0, 3.0]), torch.tensor([3.0, 0.0]), torch.tensor([6.0, 6.0])]
     t.sent = [[x] for x in xs]
     t.mix_round({0: [1, 2], 1: [0], 2: [0]})  # worker 0 has two partners: every edge weighs 1/3

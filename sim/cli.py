@@ -155,10 +155,13 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
 
 
 @sim.command()
-@click.option("--suite", type=click.Choice(("paper", "smoke", "overlap", "overlap-smoke", "hetero", "hetero-smoke")),
+@click.option("--suite", type=click.Choice(("paper", "smoke", "overlap", "overlap-smoke", "hetero", "hetero-smoke",
+                                            "scale", "scale-smoke")),
               default="paper", show_default=True, help="paper: the paper's claims at 8 workers (~10 min on 2 "
               "cores); overlap: delayed mixing against plain mixing (~5 min); hetero: bench/hetero.py's setup, the "
-              "simulator's time ratios beside the bench's (~5 min); *-smoke: a seconds-long check of the same.")
+              "simulator's time ratios beside the bench's (~5 min); scale: GASLoC against DiLoCo at 8-1,000 "
+              "workers of the micro preset, uniform and log-uniform 3-300 Mbit links; *-smoke: a seconds-long "
+              "check of the same.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every run here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of validation loss against simulated time.")
@@ -169,11 +172,12 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
 def compare(suite: str, json_out, plot_out, md_out, jobs: int) -> None:
     """Run a suite of simulations and print a markdown table with PASS/FAIL per claim."""
     _setup_logging()
+    from gasloc.sim.scale import SCALE_SUITES
     from gasloc.sim.suite import SUITES, markdown, run_suite
 
     with _progress_bar(f"suite {suite}") as progress:
         try:
-            report = run_suite(SUITES[suite], jobs=jobs, progress=progress)
+            report = run_suite({**SUITES, **SCALE_SUITES}[suite], jobs=jobs, progress=progress)
         except FloatingPointError as e:
             _fail(str(e), 1)
     table = markdown(report)
@@ -183,5 +187,5 @@ def compare(suite: str, json_out, plot_out, md_out, jobs: int) -> None:
     if json_out:
         _write(json_out, json.dumps(report, indent=1) + "\n")
     if plot_out:
-        from gasloc.sim.plot import plot_suite
-        plot_suite(report, plot_out)
+        from gasloc.sim.plot import plot_scale, plot_suite
+        (plot_scale if suite.startswith("scale") else plot_suite)(report, plot_out)

@@ -355,7 +355,9 @@ def markdown(report: dict) -> str:
 
 # Shared by every run of a suite. The numbers come from the tuning recorded in docs/sim-results.md.
 PAPER_BASE = {"model.preset": "tiny", "model.seq_len": 64, "data.batch_size": 4, "data.val_batches": 8,
-              "inner.warmup_steps": 50, "schedule": "lockstep"}
+              "inner.warmup_steps": 50, "schedule": "live"}
+# the overlap suites: delayed mixing is simulated on the lockstep schedule only
+OVERLAP_BASE = {**PAPER_BASE, "schedule": "lockstep"}
 
 # bench/hetero.py's setup (its PEER_TOML and netlab links): 6 peers, even ones on 30 Mbit and odd ones on 3 Mbit,
 # tiny preset in fp32 on the wire (885,888 numbers = 3.5 MB), H = 20, 0.13 s per inner step (the bench measured
@@ -371,27 +373,26 @@ HETERO_BASE = {"workers": 6, "model.preset": "tiny", "model.seq_len": 64, "data.
 SUITES: dict[str, Suite] = {
     "paper": paper_like(
         "paper", workers=8, base=PAPER_BASE,
-        # H=1: inner lr 4e-3 is gossip-AdamW's best of {1, 2, 4, 6}e-3; GASLoC's gamma/eta: the best of a sweep
-        # gamma in {0.1, ..., 0.9} with eta ~ 1 - gamma (the smallest momentum won)
-        a={"rounds": 150, "eval_every": 25, "inner.lr": 4e-3},
-        a_gasloc={"outer.form": "C", "outer.momentum": 0.1, "outer.outer_lr": 0.9},
-        # H=20: inner lr 2e-3 is DiLoCo's best of {1, 2, 4}e-3; GASLoC's best found mixes with two partners
-        b={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3, "inner.lr": 2e-3},
-        b_gasloc={"outer.form": "C", "outer.momentum": 0.7, "outer.outer_lr": 0.7, "num_partners": 2},
-        # slow links: one partner (a second exchange costs a second slow transfer), pairs favour fast links
+        # every method with its defaults (GASLoC's outer settings picked from H, outer.H_DEFAULTS) on the live
+        # schedule; H=1: inner lr 4e-3 is gossip-AdamW's best of {1, 2, 4, 6}e-3
+        a={"rounds": 150, "eval_every": 25, "inner.lr": 4e-3}, a_gasloc={},
+        # H=20: inner lr 2e-3 is DiLoCo's best of {1, 2, 4}e-3
+        b={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3, "inner.lr": 2e-3}, b_gasloc={},
+        # slow links: the live peer's bandwidth-aware choice (bench/hetero.py's gasloc-bw)
         c={"inner.inner_steps": 20, "rounds": 30, "eval_every": 1, "inner.lr": 2e-3},
-        c_gasloc={"outer.form": "C", "outer.momentum": 0.7, "outer.outer_lr": 0.7, "bandwidth_weighted": True},
+        c_gasloc={"bandwidth_weighted": True, "search.slower_link_ratio": 3.0},
         notes=["8 workers of the tiny preset (0.9M parameters, byte vocabulary), batch 4 x 64 tokens, one torch "
                "thread per run, validation on 8 x 4 x 64 held-out tokens; the clock charges messages as a "
-               "100M-parameter model in fp16 (200 MB)"]),
+               "100M-parameter model in fp16 (200 MB); schedule live, every method with its defaults"]),
     # seconds-long: the same runs and claims at toy size (its verdicts say nothing about the claims)
     "smoke": paper_like(
         "smoke", workers=4,
         base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
               "inner.warmup_steps": 2},
-        a={"rounds": 4, "eval_every": 2}, a_gasloc={"outer.momentum": 0.3},
-        b={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, b_gasloc={"num_partners": 2},
-        c={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, c_gasloc={"bandwidth_weighted": True},
+        a={"rounds": 4, "eval_every": 2}, a_gasloc={},
+        b={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, b_gasloc={},
+        c={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1},
+        c_gasloc={"bandwidth_weighted": True, "search.slower_link_ratio": 3.0},
         notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),
     "hetero": hetero_suite(
         "hetero", base=HETERO_BASE, seeds=[0, 1, 2],
@@ -403,7 +404,7 @@ SUITES: dict[str, Suite] = {
         seeds=[0], notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),
     # claim b's settings (H=20, GASLoC C with gamma = eta = 0.7) with one partner per round
     "overlap": overlap_suite(
-        "overlap", workers=8, base=PAPER_BASE,
+        "overlap", workers=8, base=OVERLAP_BASE,
         run={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3, "inner.lr": 2e-3, "outer.form": "C",
              "outer.momentum": 0.7, "outer.outer_lr": 0.7},
         notes=["8 workers of the tiny preset; the clock charges messages as a 100M-parameter model in fp16 "
@@ -411,7 +412,7 @@ SUITES: dict[str, Suite] = {
                "(100 Mbit) link"]),
     "overlap-smoke": overlap_suite(
         "overlap-smoke", workers=4,
-        base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
+        base={**OVERLAP_BASE, "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
               "inner.warmup_steps": 2},
         run={"inner.inner_steps": 3, "rounds": 3, "eval_every": 1},
         notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),

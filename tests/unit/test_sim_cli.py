@@ -113,7 +113,7 @@ def test_compare_overlap_smoke_suite(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_compare_hetero_smoke_suite_puts_the_bench_ratios_beside_the_simulators(tmp_path):
     out = tmp_path / "h.json"
     res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "hetero-smoke", "--json", str(out)])

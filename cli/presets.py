@@ -9,7 +9,10 @@ def presets() -> None:
 
     click.echo("| preset | dim | layers | heads (kv) | params, byte vocab | params, 32k vocab | fp32 train GB, 32k |")
     click.echo("|---|---|---|---|---|---|---|")
+    def size(n: int) -> str:
+        return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.0f}k"
+
     for r in preset_table():
         click.echo(f"| {r['preset']} | {r['dim']} | {r['n_layers']} | {r['n_heads']} ({r['n_kv_heads']}) | "
-                   f"{r['params_vocab256'] / 1e6:.1f}M | {r['params_vocab32000'] / 1e6:.1f}M | "
+                   f"{size(r['params_vocab256'])} | {size(r['params_vocab32000'])} | "
                    f"{r['train_mem_gb_vocab32000']} |")

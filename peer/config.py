@@ -17,7 +17,7 @@ from gasloc.peer.swarm.swarmkey import check_key_path
 from gasloc.peer.train.data import DataConfig
 from gasloc.peer.train.inner import InnerConfig
 from gasloc.peer.train.model import ModelConfig
-from gasloc.peer.train.outer import OuterConfig
+from gasloc.peer.train.outer import OuterConfig, fit_to_h
 from gasloc.peer.transport.exchange import ExchangeConfig
 from gasloc.peer.transport.state_transfer import StateTransferConfig
 from gasloc.protocol.guard import GuardConfig
@@ -213,6 +213,7 @@ class PeerConfig(_Section):
             # hivemind's DecentralizedAverager takes no authorizer: its all-reduce streams could not be gated
             raise ValueError("swarm.key_path (a private swarm) is not supported with outer.algorithm 'diloco': "
                              "hivemind's averager cannot check the swarm key")
+        self.outer = fit_to_h(self.outer, self.inner.inner_steps)
         return self
 
     @property

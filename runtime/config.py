@@ -148,16 +148,19 @@ def dump_toml(cfg: BaseModel) -> str:
     def fmt(v: Any) -> str:
         return json.dumps(v)  # JSON scalars and lists of scalars are valid TOML
 
-    def emit(d: dict, path: str) -> list[str]:
+    def emit(d: dict, model: Any, path: str) -> list[str]:
         scalars = [f"{k} = {fmt(v)}" for k, v in d.items() if not isinstance(v, dict) and v is not None]
         unset = [f"# {k} = (unset)" for k, v in d.items() if v is None]
-        lines = ([f"[{path}]"] if path and (scalars or unset) else []) + scalars + unset
+        # a value a validator picked for the user (e.g. outer settings from H) says so, and why
+        why = getattr(model, "_picked", None)
+        notes = [f"# {why}"] if isinstance(why, str) else []
+        lines = ([f"[{path}]"] if path and (scalars or unset) else []) + notes + scalars + unset
         for k, v in d.items():
             if isinstance(v, dict):
-                lines += [""] + emit(v, f"{path}.{k}" if path else k)
+                lines += [""] + emit(v, getattr(model, k, None), f"{path}.{k}" if path else k)
         return lines
 
-    return "\n".join(emit(cfg.model_dump(mode="json"), "")).strip() + "\n"
+    return "\n".join(emit(cfg.model_dump(mode="json"), cfg, "")).strip() + "\n"
 
 
 def resolve_for_cli(model: type[M], config_file: str | Path | None, flags: Mapping[str, Any], print_config: bool,

@@ -65,19 +65,26 @@ def _opt(*names, **kw):
 @_opt("--algorithm", type=click.Choice(ALGORITHMS), help="Outer update. [default: gasloc]")
 @_opt("--form", type=click.Choice(("A", "B", "C")), help="GASLoC form. [default: C]")
 @_opt("--workers", type=int, help="K simulated workers. [default: 8]")
-@_opt("--topology", type=click.Choice(TOPOLOGIES), help="Who may pair. [default: random]")
+@_opt("--topology", type=click.Choice(TOPOLOGIES), help="Who may pair. complete: everyone averages with "
+      "everyone, which is DiLoCo exactly when both get the same outer momentum and lr (GASLoC picks its own from H, "
+      "DiLoCo keeps 0.9 / 0.7: pass --momentum 0.9 --outer-lr 0.7 to compare). [default: random]")
 @_opt("--inner-steps", type=int, help="H inner steps per round. [default: 20]")
 @_opt("--rounds", type=int, help="Rounds per worker (on average). [default: 50]")
 @_opt("--seed", type=int, help="Seed of init and matchings. [default: 0]")
-@_opt("--bandwidth-profile", help="uniform | half-slow-10x | half-slow-compute-2x | a TOML/JSON file.")
+@_opt("--bandwidth-profile", help="uniform | half-slow-10x | half-slow-compute-2x | log-uniform-3-300 | hetero-bench | a "
+      "TOML/JSON file.")
 @_opt("--model", "preset", help="Model preset. [default: tiny]")
-@_opt("--outer-lr", type=float, help="Outer lr eta. [default: 0.7; gossip 1]")
-@_opt("--momentum", type=float, help="Outer momentum gamma (NoLoCo: beta).")
+@_opt("--outer-lr", type=float, help="Outer lr eta. [default: gasloc from H (0.9 for H <= 4, else 0.7); diloco, "
+      "noloco 0.7; gossip 1]")
+@_opt("--momentum", type=float, help="Outer momentum gamma (NoLoCo: beta). [default: gasloc from H (0.1 for "
+      "H <= 4, else 0.7); diloco 0.9; noloco 0.5]")
 @_opt("--mix-weight", type=float, help="Weight per partner in the mix. [default: group mean]")
 @_opt("--mix-momentum", type=float, help="Form C: share of the mixing correction that outer momentum carries on "
       "(0-1). [default: 1]")
-@_opt("--schedule", type=click.Choice(("lockstep", "async")), help="Shared round counter or none. "
-      "[default: lockstep]")
+@_opt("--schedule", type=click.Choice(("live", "lockstep", "async")), help="live: each worker runs the live "
+      "peer's partner search; lockstep: a shared round counter; async: none. [default: live]")
+@_opt("--slower-link-ratio", type=float, help="Schedule live: pass over peers on links this many times slower "
+      "for the first half of a search (the live peer's swarm.slower_link_ratio). [default: 0, off]")
 @_opt("--num-partners", type=click.IntRange(1, 2), help="Partners per round. [default: 1]")
 @click.option("--bandwidth-weighted/--no-bandwidth-weighted", default=None,
               help="Favour pairs on fast links. [default: off]")
@@ -119,7 +126,7 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
             "warmup_steps": "inner.warmup_steps", "batch_size": "data.batch_size", "seq_len": "model.seq_len",
             "time_budget_s": "inner.time_budget_s", "val_batches": "data.val_batches",
             "seconds_per_step": "clock.seconds_per_step", "bandwidth_mbps": "clock.bandwidth_mbps",
-            "match_timeout_s": "clock.match_timeout_s"}
+            "match_timeout_s": "clock.match_timeout_s", "slower_link_ratio": "search.slower_link_ratio"}
     try:
         cfg = resolve(SimConfig, config_file, {keys.get(k, k): v for k, v in opts.items()})
     except ConfigError as e:
@@ -150,9 +157,13 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
 
 
 @sim.command()
-@click.option("--suite", type=click.Choice(("paper", "smoke", "overlap", "overlap-smoke")), default="paper",
-              show_default=True, help="paper: the paper's claims at 8 workers (~10 min on 2 cores); overlap: "
-              "delayed mixing against plain mixing (~5 min); *-smoke: a seconds-long check of the same.")
+@click.option("--suite", type=click.Choice(("paper", "smoke", "overlap", "overlap-smoke", "hetero", "hetero-smoke",
+                                            "scale", "scale-smoke")),
+              default="paper", show_default=True, help="paper: the paper's claims at 8 workers (~10 min on 2 "
+              "cores); overlap: delayed mixing against plain mixing (~5 min); hetero: bench/hetero.py's setup, the "
+              "simulator's time ratios beside the bench's (~5 min); scale: GASLoC against DiLoCo at 8-1,000 "
+              "workers of the micro preset, uniform and log-uniform 3-300 Mbit links; *-smoke: a seconds-long "
+              "check of the same.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every run here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of validation loss against simulated time.")
@@ -163,11 +174,12 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
 def compare(suite: str, json_out, plot_out, md_out, jobs: int) -> None:
     """Run a suite of simulations and print a markdown table with PASS/FAIL per claim."""
     _setup_logging()
+    from gasloc.sim.scale import SCALE_SUITES
     from gasloc.sim.suite import SUITES, markdown, run_suite
 
     with _progress_bar(f"suite {suite}") as progress:
         try:
-            report = run_suite(SUITES[suite], jobs=jobs, progress=progress)
+            report = run_suite({**SUITES, **SCALE_SUITES}[suite], jobs=jobs, progress=progress)
         except FloatingPointError as e:
             _fail(str(e), 1)
     table = markdown(report)
@@ -177,5 +189,5 @@ def compare(suite: str, json_out, plot_out, md_out, jobs: int) -> None:
     if json_out:
         _write(json_out, json.dumps(report, indent=1) + "\n")
     if plot_out:
-        from gasloc.sim.plot import plot_suite
-        plot_suite(report, plot_out)
+        from gasloc.sim.plot import plot_scale, plot_suite
+        (plot_scale if suite.startswith("scale") else plot_suite)(report, plot_out)

@@ -12,6 +12,7 @@ numbers, or a TOML/JSON file listing the workers (see `load_profile_file`).
 from __future__ import annotations
 
 import json
+import random
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -70,10 +71,28 @@ def _half_slow_compute(factor: float) -> Callable[[int, Link], list[Link]]:
     return build
 
 
+def _hetero_bench(k: int, base: Link) -> list[Link]:
+    # bench/hetero.py: even-numbered peers on 30 Mbit, odd-numbered on 3 Mbit (tbf on both veth ends, no added
+    # delay); the base's step time and latency apply to all
+    return [Link(base.seconds_per_step, (30e6 if i % 2 == 0 else 3e6), base.latency_s) for i in range(k)]
+
+
+def _log_uniform(lo_mbps: float, hi_mbps: float) -> Callable[[int, Link], list[Link]]:
+    def build(k: int, base: Link) -> list[Link]:
+        # a fixed draw per K (its own RNG, not the run's seed), so every algorithm of a comparison gets the same links
+        rng = random.Random(k)
+        return [Link(base.seconds_per_step, lo_mbps * 1e6 * (hi_mbps / lo_mbps) ** rng.random(), base.latency_s)
+                for _ in range(k)]
+    return build
+
+
 PROFILES: dict[str, tuple[Callable[[int, Link], list[Link]], str]] = {
     "uniform": (_uniform, "every worker at the base speed and bandwidth"),
     "half-slow-10x": (_half_slow(10.0), "workers K/2..K-1 on links 10x slower than the rest"),
     "half-slow-compute-2x": (_half_slow_compute(2.0), "workers K/2..K-1 take 2x longer per inner step"),
+    "log-uniform-3-300": (_log_uniform(3.0, 300.0), "each worker's link drawn log-uniformly from 3-300 Mbit "
+                          "(a fixed draw per K)"),
+    "hetero-bench": (_hetero_bench, "bench/hetero.py's links: even workers on 30 Mbit, odd ones on 3 Mbit"),
 }
 
 

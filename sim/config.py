@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from gasloc.peer.train.data import DataConfig
 from gasloc.peer.train.inner import InnerConfig
 from gasloc.peer.train.model import ModelConfig
-from gasloc.peer.train.outer import OuterConfig
+from gasloc.peer.train.outer import OuterConfig, fit_to_h
 from gasloc.protocol.guard import GuardConfig
 from gasloc.protocol.matching import Topology
 from gasloc.sim.clock import PROFILES, Link
@@ -29,6 +29,9 @@ class ClockConfig(BaseModel):
     nominal_params: int | None = Field(100_000_000, ge=1, description="model size the message bytes are scaled "
                                        "to (the simulated model is tiny; the clock charges as if it had this many "
                                        "parameters); unset: the simulated model's own size")
+    allreduce_setup_s: float = Field(0.0, ge=0, description="fixed cost of every all-reduce before any byte moves "
+                                     "(hivemind's matchmaking: bench/hetero.py runs DiLoCo with "
+                                     "diloco.matchmaking_time_s = 5)")
     match_timeout_s: float | None = Field(None, ge=0, description="schedule async: how long a ready worker waits "
                                           "for a partner before a solo round; unset: until a neighbour is ready")
 
@@ -36,20 +39,53 @@ class ClockConfig(BaseModel):
         return Link(self.seconds_per_step, self.bandwidth_mbps * 1e6, self.latency_ms / 1e3)
 
 
+class SearchConfig(BaseModel):
+    """Schedule live: the live peer's partner search (peer config [swarm] and exchange_timeout_s of [exchange]);
+    same names and defaults, so a value tuned here is the value to set there."""
+    model_config = ConfigDict(extra="forbid")
+
+    partner_deadline_s: float = Field(10.0, gt=0, description="per round, how long to look for a partner before "
+                                      "a solo round")
+    retry_interval_s: float = Field(0.25, gt=0, description="pause between partner attempts when nobody is ready")
+    exchange_timeout_s: float = Field(30.0, gt=0, description="an exchange that would take longer is cut there: "
+                                      "nothing is mixed and the caller backs off from that partner")
+    min_backoff_s: float = Field(2.0, gt=0, description="first backoff from a partner whose exchange failed")
+    max_backoff_s: float = Field(60.0, gt=0, description="longest backoff from a repeatedly failing partner")
+    busy_cooldown_s: float = Field(0.5, ge=0, description="skip a partner that answered busy for this long")
+    avoid_recent_partners: int = Field(1, ge=0, description="pass over this many most recent partners during the "
+                                       "first half of a search")
+    slower_link_ratio: float = Field(0.0, ge=0, description="for the first half of a search, pass over (and answer "
+                                     "busy to) peers whose last exchange with us ran this many times slower than "
+                                     "our best; 0 = off (must be above 1 when set)")
+    slower_link_open_share: float = Field(0.25, ge=0, le=1, description="with slower_link_ratio: this share of "
+                                          "searches stays open to every link")
+
+    @model_validator(mode="after")
+    def _check(self) -> SearchConfig:
+        if self.max_backoff_s < self.min_backoff_s:
+            raise ValueError(f"max_backoff_s {self.max_backoff_s} is below min_backoff_s {self.min_backoff_s}")
+        if 0 < self.slower_link_ratio <= 1:
+            raise ValueError(f"slower_link_ratio {self.slower_link_ratio} must be above 1 (how many times slower a "
+                             "link is passed over) or 0 (off)")
+        return self
+
+
 class SimConfig(BaseModel):
     """K workers trained in one process, each on its own shard, under a virtual clock."""
     model_config = ConfigDict(extra="forbid")
 
-    workers: int = Field(8, ge=1, le=256, description="K: simulated workers")
+    workers: int = Field(8, ge=1, le=4096, description="K: simulated workers")
     rounds: int = Field(50, ge=1, description="outer rounds per worker on average (the run ends after K*rounds "
                         "worker-rounds; in a homogeneous swarm every worker does exactly this many)")
     seed: int = Field(0, description="seed of the model init (same for all workers) and of the matchings")
     topology: Topology = Field("random", description="complete (everyone averages with everyone: DiLoCo's "
                                "all-reduce) | random (random pairs) | ring | exponential; diloco always all-reduces")
-    schedule: Literal["lockstep", "async"] = Field("lockstep", description="lockstep: every worker does round r "
-                                                   "then r+1, each on its own clock, a pair waiting only for "
-                                                   "itself; async: no shared round counter, a ready worker pairs "
-                                                   "with a ready neighbour (fast workers do more rounds)")
+    schedule: Literal["live", "lockstep", "async"] = Field(
+        "live", description="live: every worker runs the live peer's partner search (protocol/search.py) on the "
+        "virtual clock - busy answers, partner deadline, backoff, the slower-link rule (section [search]); "
+        "lockstep: every worker does round r then r+1, each on its own clock, a pair waiting only for itself; "
+        "async: no shared round counter, a ready worker pairs with a ready neighbour. DiLoCo, the complete "
+        "topology and local run lockstep under every schedule (a live all-reduce waits for everyone)")
     num_partners: Literal[1, 2] = Field(1, description="partners per round: one matching, or the union of two")
     bandwidth_weighted: bool = Field(False, description="pick pairs with probability growing with their link "
                                      "bandwidth (min of the two workers')")
@@ -66,6 +102,7 @@ class SimConfig(BaseModel):
     guard: GuardConfig = Field(default_factory=GuardConfig, description="robust mixing, as a live peer runs it "
                                "(each worker judges each partner from its own distance history; no trust-based "
                                "partner choice: the matchings are the topology's)")
+    search: SearchConfig = Field(default_factory=SearchConfig)
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
@@ -77,10 +114,14 @@ class SimConfig(BaseModel):
         if self.outer.overlap and self.schedule != "lockstep":
             raise ValueError("outer.overlap is simulated on the lockstep schedule only; use --schedule lockstep or "
                              "drop --overlap")
+        if self.schedule == "live" and self.num_partners != 1 and not self.barrier:
+            raise ValueError("schedule live runs the live peer's search, which finds one partner per round; use "
+                             "--num-partners 1 or --schedule lockstep")
         most = self.workers - 1 if self.topology == "complete" else self.num_partners
         if self.outer.mix_weight is not None and self.outer.mix_weight * most > 1:
             raise ValueError(f"outer.mix_weight {self.outer.mix_weight} times {most} partner(s) exceeds 1, so the "
                              "mix is no convex combination: lower the weight")
+        self.outer = fit_to_h(self.outer, self.inner.inner_steps)
         return self
 
     @property

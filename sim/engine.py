@@ -74,12 +74,13 @@ class Engine:
 
     def __init__(self, links: Sequence[Link], *, barrier: bool, communicates: bool,
                  steps_for: Callable[[int], int], wire_bytes: Callable[[int], float], rng: random.Random,
-                 num_partners: int = 1, weights: Mapping[Edge, float] | None = None):
+                 num_partners: int = 1, weights: Mapping[Edge, float] | None = None, allreduce_setup_s: float = 0.0):
         self.links = list(links)
         self.k = len(self.links)
         self.barrier, self.communicates = barrier, communicates
         self.steps_for, self.wire_bytes, self.rng = steps_for, wire_bytes, rng
         self.num_partners, self.weights = num_partners, weights
+        self.allreduce_setup_s = allreduce_setup_s
         self.workers = [WorkerState() for _ in range(self.k)]
         self.now = 0.0
 
@@ -184,7 +185,7 @@ class AsyncEngine(Engine):
 
     def _allreduce(self, trainer: Trainer, t: float) -> None:
         nbytes = max(w.message_bytes for w in self.workers)
-        cost = allreduce_seconds(nbytes, self.links)
+        cost = self.allreduce_setup_s + allreduce_seconds(nbytes, self.links)
         trainer.allreduce(list(range(self.k)))
         for w in self.workers:
             w.idle_s += t - w.ready_at

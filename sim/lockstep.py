@@ -70,7 +70,7 @@ class LockstepEngine(Engine):
     def _allreduce(self, trainer: Trainer) -> None:
         start = max(self.clocks)
         nbytes = max(w.message_bytes for w in self.workers)
-        end = start + allreduce_seconds(nbytes, self.links)
+        end = start + self.allreduce_setup_s + allreduce_seconds(nbytes, self.links)
         trainer.allreduce(list(range(self.k)))
         for i, w in enumerate(self.workers):
             w.bytes_sent += 2 * (self.k - 1) / self.k * nbytes

@@ -80,3 +80,35 @@ def plot_suite(report: dict, path: str) -> None:
     fig.suptitle(f"gasloc sim compare --suite {report['suite']}")
     _save(fig, path)
     plt.close(fig)
+
+
+def plot_scale(report: dict, path: str) -> None:
+    """The scale suite: validation loss (top) and consensus distance (bottom) over simulated time, one column per
+    link profile, one colour per swarm size; GASLoC solid, DiLoCo dashed."""
+    plt = _pyplot()
+    runs = report["runs"]
+    profiles = sorted({r["config"]["clock"]["profile"] for r in runs.values()})
+    sizes = sorted({r["config"]["workers"] for r in runs.values()})
+    cmap = plt.get_cmap("viridis")
+    fig, axes = plt.subplots(2, len(profiles), figsize=(6 * len(profiles), 8), layout="constrained", squeeze=False)
+    for col, prof in enumerate(profiles):
+        for n, k in enumerate(sizes):
+            color = cmap(n / max(1, len(sizes) - 1))
+            for algo, style in (("gasloc", "-"), ("diloco", "--")):
+                r = runs.get(f"k{k}-{prof}-{algo}")
+                if r is None:
+                    continue
+                t = [e["sim_time_s"] / 60 for e in r["evals"]]
+                label = f"{algo}, K={k}"
+                axes[0, col].plot(t, [e["val_loss_mean"] for e in r["evals"]], style, color=color, label=label)
+                if algo == "gasloc":
+                    axes[1, col].plot(t, [e["consensus"] for e in r["evals"]], style, color=color, label=label)
+        axes[0, col].set(title=f"{prof}: val loss, mean over workers", xlabel="simulated wall-clock (min)")
+        axes[1, col].set(title=f"{prof}: GASLoC's consensus distance", xlabel="simulated wall-clock (min)",
+                         yscale="log")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"gasloc sim compare --suite {report['suite']}")
+    _save(fig, path)
+    plt.close(fig)

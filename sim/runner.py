@@ -20,9 +20,12 @@ from gasloc.peer.train.outer import make_outer
 from gasloc.protocol.averaging import exact_mean, mix
 from gasloc.protocol.guard import DistanceHistory, Verdict, clip_toward, relative_distance
 from gasloc.protocol.matching import bandwidth_weights, graph_edges
+from gasloc.protocol.partners import Backoff
+from gasloc.protocol.search import SearchRules
 from gasloc.sim.clock import build_links
 from gasloc.sim.config import SimConfig
 from gasloc.sim.engine import AsyncEngine
+from gasloc.sim.live import LiveEngine
 from gasloc.sim.lockstep import LockstepEngine
 
 log = logging.getLogger(__name__)
@@ -195,9 +198,18 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
     common = dict(barrier=cfg.barrier, communicates=cfg.outer.communicates,
                   steps_for=lambda i: steps_this_round(cfg.inner, links[i].seconds_per_step),
                   wire_bytes=lambda numel: numel * cfg.clock.bytes_per_param * scale,
-                  rng=random.Random(cfg.seed), num_partners=cfg.num_partners, weights=weights)
-    engine: LockstepEngine | AsyncEngine
-    if cfg.schedule == "lockstep":
+                  rng=random.Random(cfg.seed), num_partners=cfg.num_partners, weights=weights,
+                  allreduce_setup_s=cfg.clock.allreduce_setup_s)
+    engine: LockstepEngine | AsyncEngine | LiveEngine
+    if cfg.schedule == "live" and cfg.outer.communicates and not cfg.barrier:
+        sc = cfg.search
+        rules = SearchRules(partner_deadline_s=sc.partner_deadline_s, retry_interval_s=sc.retry_interval_s,
+                            exchange_timeout_s=sc.exchange_timeout_s, bandwidth_weighting=cfg.bandwidth_weighted,
+                            slower_link_ratio=sc.slower_link_ratio, slower_link_open_share=sc.slower_link_open_share)
+        engine = LiveEngine(links, edges, rules=rules,
+                            backoff=Backoff(sc.min_backoff_s, sc.max_backoff_s, sc.busy_cooldown_s),
+                            avoid_recent=sc.avoid_recent_partners, seed=cfg.seed, **common)
+    elif cfg.schedule in ("lockstep", "live"):
         engine = LockstepEngine(links, cfg.topology, overlap=cfg.outer.overlap, **common)
     else:
         engine = AsyncEngine(links, edges, match_timeout_s=cfg.clock.match_timeout_s, **common)
@@ -247,4 +259,13 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
         "rounds_per_worker": [w.rounds for w in ws],
         "inner_steps_per_worker": [w.steps for w in ws],
         "idle_s_per_worker": [w.idle_s for w in ws],
+        "search": engine.stats if isinstance(engine, LiveEngine) else None,  # calls, busy, paired/solo rounds
+        "pairs_by_links": _pairs_by_links(engine),
     }
+
+
+def _pairs_by_links(engine) -> dict[str, int] | None:
+    """Schedule live, few link classes: completed exchanges by the partners' Mbit/s ("3/30": slow with fast)."""
+    if not isinstance(engine, LiveEngine) or len({x.bandwidth_bps for x in engine.links}) > 4:
+        return None
+    return {f"{a / 1e6:g}/{b / 1e6:g}": n for (a, b), n in sorted(engine.pairs.items())}

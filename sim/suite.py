@@ -194,6 +194,57 @@ def overlap_suite(name: str, *, workers: int, base: dict, run: dict, notes: list
     return Suite(name, base, runs, claims, notes)
 
 
+# bench/hetero.py's measured GASLoC/DiLoCo time-to-target ratios at the current defaults (docs/hetero-results.md,
+# invocations with gamma 0.7): bandwidth-aware N-S 0.58, 0.47, 0.49, 0.38, 0.40, 0.42; uniform P-S 0.62, 0.42, 0.52,
+# 0.46
+BENCH_RATIOS = {"gasloc-bw": [0.58, 0.47, 0.49, 0.38, 0.40, 0.42], "gasloc": [0.62, 0.42, 0.52, 0.46]}
+BENCH_TARGET_MARGIN = 0.02  # bench/hetero.py --target-margin's default
+
+
+def hetero_ratios(res: Results, run: str, seeds: list[int]) -> list[float | None]:
+    """Per seed, as bench/hetero.py measures it: target = the highest final mean loss of that seed's runs + the
+    margin; ratio = GASLoC's time to it / DiLoCo's (interpolated between evaluations; None: never reached)."""
+    out: list[float | None] = []
+    for s in seeds:
+        runs = [res[f"{n}-s{s}"] for n in ("gasloc-bw", "gasloc", "diloco")]
+        target = max(_final(r) for r in runs) + BENCH_TARGET_MARGIN
+        t_g, t_d = (time_to_reach(res[f"{n}-s{s}"], target, interpolate=True) for n in (run, "diloco"))
+        out.append(None if t_g is None or t_d is None else t_g / t_d)
+    return out
+
+
+def claim_bench_ratio(run: str, seeds: list[int], tol: float) -> Callable[[Results], tuple[bool, str]]:
+    def check(res: Results) -> tuple[bool, str]:
+        import statistics
+        sim = hetero_ratios(res, run, seeds)
+        bench = statistics.median(BENCH_RATIOS[run])
+        got = [r for r in sim if r is not None]
+        if len(got) < len(sim):
+            return False, f"per seed {sim}: a run never reached its target"
+        med = statistics.median(got)
+        pairs = res[f"{run}-s{seeds[0]}"].get("pairs_by_links", {})
+        return abs(med - bench) <= tol, (f"simulator {med:.2f}x DiLoCo (median of seeds {', '.join(map(str, seeds))}: "
+                                         f"{', '.join(f'{r:.2f}' for r in got)}) vs bench {bench:.2f}x (median of "
+                                         f"{len(BENCH_RATIOS[run])}: {', '.join(map(str, BENCH_RATIOS[run]))}); "
+                                         f"limit +-{tol}; pairs seed {seeds[0]}: {pairs}")
+    return check
+
+
+def hetero_suite(name: str, *, base: dict, seeds: list[int], notes: list[str]) -> Suite:
+    """Issue 15's check that the simulator predicts bench/hetero.py: the bench's three runs, per seed."""
+    runs = []
+    for s in seeds:
+        runs += [RunSpec(f"gasloc-bw-s{s}", {"seed": s, "outer.algorithm": "gasloc", "bandwidth_weighted": True,
+                                             "search.slower_link_ratio": 3.0}),
+                 RunSpec(f"gasloc-s{s}", {"seed": s, "outer.algorithm": "gasloc"}),
+                 RunSpec(f"diloco-s{s}", {"seed": s, "outer.algorithm": "diloco"})]
+    claims = [Claim("bench-bw", "bandwidth-aware GASLoC's time to target / DiLoCo's within +-0.15 of the bench's",
+                    claim_bench_ratio("gasloc-bw", seeds, 0.15)),
+              Claim("bench-uniform", "uniform GASLoC's time to target / DiLoCo's within +-0.15 of the bench's",
+                    claim_bench_ratio("gasloc", seeds, 0.15))]
+    return Suite(name, base, runs, claims, notes)
+
+
 # ---- running --------------------------------------------------------------------------------------------------
 
 def _config(suite: Suite, spec: RunSpec, extra: dict | None = None):
@@ -304,36 +355,56 @@ def markdown(report: dict) -> str:
 
 # Shared by every run of a suite. The numbers come from the tuning recorded in docs/sim-results.md.
 PAPER_BASE = {"model.preset": "tiny", "model.seq_len": 64, "data.batch_size": 4, "data.val_batches": 8,
-              "inner.warmup_steps": 50, "schedule": "lockstep"}
+              "inner.warmup_steps": 50, "schedule": "live"}
+# the overlap suites: delayed mixing is simulated on the lockstep schedule only
+OVERLAP_BASE = {**PAPER_BASE, "schedule": "lockstep"}
+
+# bench/hetero.py's setup (its PEER_TOML and netlab links): 6 peers, even ones on 30 Mbit and odd ones on 3 Mbit,
+# tiny preset in fp32 on the wire (885,888 numbers = 3.5 MB), H = 20, 0.13 s per inner step (the bench measured
+# 0.12-0.14 on its loaded machine), partner deadline 10 s, exchange timeout 60 s, 180 s per run, DiLoCo's
+# matchmaking 5 s; every peer evaluates after every round
+HETERO_BASE = {"workers": 6, "model.preset": "tiny", "model.seq_len": 64, "data.batch_size": 4,
+               "data.val_batches": 4, "inner.inner_steps": 20, "inner.warmup_steps": 20, "inner.lr": 2e-3,
+               "clock.profile": "hetero-bench", "clock.seconds_per_step": 0.13, "clock.latency_ms": 0.5,
+               "clock.bytes_per_param": 4.0, "clock.nominal_params": 885_888, "clock.allreduce_setup_s": 5.0,
+               "search.partner_deadline_s": 10.0, "search.exchange_timeout_s": 60.0, "rounds": 200,
+               "eval_every": 1, "max_sim_time_s": 180.0}
 
 SUITES: dict[str, Suite] = {
     "paper": paper_like(
         "paper", workers=8, base=PAPER_BASE,
-        # H=1: inner lr 4e-3 is gossip-AdamW's best of {1, 2, 4, 6}e-3; GASLoC's gamma/eta: the best of a sweep
-        # gamma in {0.1, ..., 0.9} with eta ~ 1 - gamma (the smallest momentum won)
-        a={"rounds": 150, "eval_every": 25, "inner.lr": 4e-3},
-        a_gasloc={"outer.form": "C", "outer.momentum": 0.1, "outer.outer_lr": 0.9},
-        # H=20: inner lr 2e-3 is DiLoCo's best of {1, 2, 4}e-3; GASLoC's best found mixes with two partners
-        b={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3, "inner.lr": 2e-3},
-        b_gasloc={"outer.form": "C", "outer.momentum": 0.7, "outer.outer_lr": 0.7, "num_partners": 2},
-        # slow links: one partner (a second exchange costs a second slow transfer), pairs favour fast links
+        # every method with its defaults (GASLoC's outer settings picked from H, outer.H_DEFAULTS) on the live
+        # schedule; H=1: inner lr 4e-3 is gossip-AdamW's best of {1, 2, 4, 6}e-3
+        a={"rounds": 150, "eval_every": 25, "inner.lr": 4e-3}, a_gasloc={},
+        # H=20: inner lr 2e-3 is DiLoCo's best of {1, 2, 4}e-3
+        b={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3, "inner.lr": 2e-3}, b_gasloc={},
+        # slow links: the live peer's bandwidth-aware choice (bench/hetero.py's gasloc-bw)
         c={"inner.inner_steps": 20, "rounds": 30, "eval_every": 1, "inner.lr": 2e-3},
-        c_gasloc={"outer.form": "C", "outer.momentum": 0.7, "outer.outer_lr": 0.7, "bandwidth_weighted": True},
+        c_gasloc={"bandwidth_weighted": True, "search.slower_link_ratio": 3.0},
         notes=["8 workers of the tiny preset (0.9M parameters, byte vocabulary), batch 4 x 64 tokens, one torch "
                "thread per run, validation on 8 x 4 x 64 held-out tokens; the clock charges messages as a "
-               "100M-parameter model in fp16 (200 MB)"]),
+               "100M-parameter model in fp16 (200 MB); schedule live, every method with its defaults"]),
     # seconds-long: the same runs and claims at toy size (its verdicts say nothing about the claims)
     "smoke": paper_like(
         "smoke", workers=4,
         base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
               "inner.warmup_steps": 2},
-        a={"rounds": 4, "eval_every": 2}, a_gasloc={"outer.momentum": 0.3},
-        b={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, b_gasloc={"num_partners": 2},
-        c={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, c_gasloc={"bandwidth_weighted": True},
+        a={"rounds": 4, "eval_every": 2}, a_gasloc={},
+        b={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, b_gasloc={},
+        c={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1},
+        c_gasloc={"bandwidth_weighted": True, "search.slower_link_ratio": 3.0},
         notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),
+    "hetero": hetero_suite(
+        "hetero", base=HETERO_BASE, seeds=[0, 1, 2],
+        notes=["bench/hetero.py's setup on the simulator: 6 workers, 30 vs 3 Mbit, tiny preset, fp32 on the wire, "
+               "H = 20, 0.13 s per step, 180 s of virtual time per run; the live schedule; three seeds"]),
+    "hetero-smoke": hetero_suite(
+        "hetero-smoke", base={**HETERO_BASE, "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
+                              "inner.inner_steps": 3, "max_sim_time_s": 30.0},
+        seeds=[0], notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),
     # claim b's settings (H=20, GASLoC C with gamma = eta = 0.7) with one partner per round
     "overlap": overlap_suite(
-        "overlap", workers=8, base=PAPER_BASE,
+        "overlap", workers=8, base=OVERLAP_BASE,
         run={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3, "inner.lr": 2e-3, "outer.form": "C",
              "outer.momentum": 0.7, "outer.outer_lr": 0.7},
         notes=["8 workers of the tiny preset; the clock charges messages as a 100M-parameter model in fp16 "
@@ -341,7 +412,7 @@ SUITES: dict[str, Suite] = {
                "(100 Mbit) link"]),
     "overlap-smoke": overlap_suite(
         "overlap-smoke", workers=4,
-        base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
+        base={**OVERLAP_BASE, "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
               "inner.warmup_steps": 2},
         run={"inner.inner_steps": 3, "rounds": 3, "eval_every": 1},
         notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),

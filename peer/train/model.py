@@ -30,6 +30,8 @@ class Preset:
 
 # Sizes in the README come from `gasloc presets` (parameters with the byte vocab and with a 32k vocab).
 PRESETS: dict[str, Preset] = {
+    # micro: for simulating swarms of 1,000+ workers in one process (each copy with AdamW and outer state: ~0.7 MB)
+    "micro": Preset(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=96, tie_embeddings=True),        # ~35k
     "tiny": Preset(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384, tie_embeddings=True),       # ~0.9M
     "small": Preset(dim=256, n_layers=6, n_heads=8, n_kv_heads=8, ffn_dim=768, tie_embeddings=True),      # ~5M
     "medium": Preset(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1408),                         # ~25M

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 Algorithm = Literal["gasloc", "diloco", "noloco", "gossip", "local"]
 ALGORITHMS: tuple[str, ...] = ("gasloc", "diloco", "noloco", "gossip", "local")
@@ -36,6 +36,31 @@ _DEFAULTS: dict[str, tuple[float, float]] = {
     "gasloc": (0.7, 0.7), "diloco": (0.7, 0.9), "noloco": (0.7, 0.5), "gossip": (1.0, 0.0), "local": (1.0, 0.0),
 }
 
+# GASLoC's outer settings by H, for what the user leaves unset (fit_to_h; the component configs call it): rows of
+# (largest H, gamma, eta, source). Few inner steps mean small local progress per round and many mixes: momentum on
+# top of AdamW's own then mostly carries mixing corrections, and the smallest one won. The two rows are the
+# simulator's tunings in docs/sim-results.md; the boundary between them (H = 4 | 5) was not tuned.
+H_DEFAULTS: tuple[tuple[int, float, float, str], ...] = (
+    (4, 0.1, 0.9, "docs/sim-results.md claim (a): H = 1, 8 workers, ring, 150 rounds, lr 4e-3, gamma swept "
+     "0.1-0.9 with eta ~ 1 - gamma; the smallest momentum won"),
+    (10**9, 0.7, 0.7, "docs/sim-results.md claim (b): H = 20, 8 workers, random, 30 rounds, lr 2e-3, gamma in "
+     "{0.5, 0.7, 0.8, 0.9} x eta in {0.7, 1}; and the hetero bench (docs/hetero-results.md)"),
+)
+
+
+def fit_to_h(cfg: OuterConfig, inner_steps: int) -> OuterConfig:
+    """GASLoC with outer.momentum or outer.outer_lr unset: a copy with them picked from H (H_DEFAULTS), the reason
+    kept in `picked` (--print-config shows it). Every other algorithm keeps its published defaults."""
+    if cfg.algorithm != "gasloc" or (cfg.momentum is not None and cfg.outer_lr is not None):
+        return cfg
+    top, gamma, eta, source = next(row for row in H_DEFAULTS if inner_steps <= row[0])
+    update = {k: v for k, v in (("momentum", gamma), ("outer_lr", eta)) if getattr(cfg, k) is None}
+    out = cfg.model_copy(update=update)
+    span = f"H <= {top}" if top < 10**9 else f"H > {H_DEFAULTS[-2][0]}"
+    out._picked = (f"{' and '.join(f'{k} = {v}' for k, v in update.items())} picked for H = {inner_steps} "
+                   f"({span}) from {source}")
+    return out
+
 
 class OuterConfig(BaseModel):
     """The outer update: which algorithm, and its hyperparameters."""
@@ -45,10 +70,12 @@ class OuterConfig(BaseModel):
                                  "gamma=0) | local (no communication)")
     form: Literal["A", "B", "C"] = Field("C", description="GASLoC form: A (published), B or C (default; B and C "
                                          "equal DiLoCo on the complete graph)")
-    outer_lr: float | None = Field(None, gt=0, le=2, description="outer learning rate eta; default 0.7 "
-                                   "(gossip: 1.0)")
-    momentum: float | None = Field(None, ge=0, lt=1, description="outer momentum gamma (NoLoCo: beta); default "
-                                   "0.7 for gasloc, 0.9 for diloco (noloco 0.5, gossip 0)")
+    outer_lr: float | None = Field(None, gt=0, le=2, description="outer learning rate eta; default: gasloc "
+                                   "picks it from H (0.9 for H <= 4, else 0.7; docs/algorithms.md), diloco and "
+                                   "noloco 0.7, gossip 1.0")
+    momentum: float | None = Field(None, ge=0, lt=1, description="outer momentum gamma (NoLoCo: beta); default: "
+                                   "gasloc picks it from H (0.1 for H <= 4, else 0.7; docs/algorithms.md), diloco "
+                                   "0.9, noloco 0.5, gossip 0")
     mix_weight: float | None = Field(None, gt=0, le=1, description="weight w per partner in z = x - sum w (x - "
                                      "x_j); default: the uniform mean of the group (1/2 with one partner)")
     mix_momentum: float = Field(1.0, ge=0, le=1, description="kappa (form C): the share of each round's mixing "
@@ -59,6 +86,7 @@ class OuterConfig(BaseModel):
                           "outer step at once as if solo and adds the partner's contribution when the exchange "
                           "lands, so the exchange runs during the next round's inner steps; more tokens/s, some "
                           "loss per token (docs/sim-results.md)")
+    _picked: str | None = PrivateAttr(None)  # fit_to_h: what it picked from H, and why
 
     @model_validator(mode="after")
     def _gossip_is_fixed(self) -> OuterConfig:

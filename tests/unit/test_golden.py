@@ -26,13 +26,17 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 SIM = {"workers": 4, "rounds": 6, "eval_every": 2, "model.seq_len": 32, "data.batch_size": 2,
        "data.val_batches": 1, "inner.inner_steps": 3, "inner.warmup_steps": 2, "seed": 7,
        "guard.enabled": False}  # the numbers were written without the guard (on by default since issue 11)
+OLD_GASLOC = {"outer.momentum": 0.7, "outer.outer_lr": 0.7}  # GASLoC's defaults before they followed H
+# written before schedule live became the default and before GASLoC's outer settings followed H: the runs pin
+# the schedule and the settings they ran with
 RUNS = {
-    "gasloc-ring": {"outer.algorithm": "gasloc", "topology": "ring"},
-    "gasloc-random-async": {"outer.algorithm": "gasloc", "topology": "random", "schedule": "async"},
-    "gasloc-overlap": {"outer.algorithm": "gasloc", "topology": "random", "outer.overlap": True},
-    "diloco": {"outer.algorithm": "diloco"},
-    "noloco": {"outer.algorithm": "noloco"},
-    "gossip": {"outer.algorithm": "gossip"},
+    "gasloc-ring": {"outer.algorithm": "gasloc", "topology": "ring", "schedule": "lockstep", **OLD_GASLOC},
+    "gasloc-random-async": {"outer.algorithm": "gasloc", "topology": "random", "schedule": "async", **OLD_GASLOC},
+    "gasloc-overlap": {"outer.algorithm": "gasloc", "topology": "random", "outer.overlap": True,
+                       "schedule": "lockstep", **OLD_GASLOC},
+    "diloco": {"outer.algorithm": "diloco", "schedule": "lockstep"},
+    "noloco": {"outer.algorithm": "noloco", "schedule": "lockstep"},
+    "gossip": {"outer.algorithm": "gossip", "schedule": "lockstep"},
 }
 
 

@@ -111,3 +111,38 @@ def test_compare_overlap_smoke_suite(tmp_path):
                                                       "speed-half-slow-10x"]
     assert "gasloc (C), overlap" in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(180)
+def test_compare_hetero_smoke_suite_puts_the_bench_ratios_beside_the_simulators(tmp_path):
+    out = tmp_path / "h.json"
+    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "hetero-smoke", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert list(runs) == ["gasloc-bw-s0", "gasloc-s0", "diloco-s0"]
+    bw = runs["gasloc-bw-s0"]
+    assert bw["config"]["schedule"] == "live" and bw["config"]["search"]["slower_link_ratio"] == 3.0
+    assert [x["bandwidth_mbps"] for x in bw["links"]] == [30.0, 3.0] * 3
+    assert set(bw["pairs_by_links"]) <= {"3/3", "3/30", "30/30"} and sum(bw["pairs_by_links"].values()) > 0
+    assert runs["diloco-s0"]["search"] is None  # DiLoCo's round waits for everyone: no partner search
+    assert [c["claim"] for c in report["claims"]] == ["bench-bw", "bench-uniform"]
+    for c in report["claims"]:
+        assert "vs bench 0." in c["numbers"]
+
+
+@pytest.mark.timeout(180)
+def test_compare_scale_smoke_suite_reports_consensus_and_paired_share(tmp_path):
+    out, png = tmp_path / "k.json", tmp_path / "k.png"
+    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "scale-smoke", "--json", str(out), "--plot",
+                                   str(png)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert [c["claim"] for c in report["claims"]] == ["k4-uniform", "k4-log-uniform-3-300", "k8-uniform",
+                                                      "k8-log-uniform-3-300"]
+    bw = [x["bandwidth_mbps"] for x in report["runs"]["k8-log-uniform-3-300-gasloc"]["links"]]
+    assert 3 <= min(bw) < max(bw) <= 300 and len(set(bw)) == 8
+    for c in report["claims"]:
+        assert "consensus" in c["numbers"] and "% of rounds paired" in c["numbers"]
+    assert report["runs"]["k8-uniform-gasloc"]["config"]["model"]["preset"] == "micro"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -29,8 +29,9 @@ def diloco():
 @pytest.mark.parametrize("form", ["B", "C"])
 def test_gasloc_on_the_complete_graph_is_diloco(form, diloco):
     d = diloco
-    # the same outer hyperparameters as DiLoCo's (GASLoC's own default gamma is 0.7)
-    g = run(cfg(**{"outer.algorithm": "gasloc", "outer.form": form, "topology": "complete", "outer.momentum": 0.9}))
+    # the same outer hyperparameters as DiLoCo's (GASLoC picks its own from H: 0.1 / 0.9 at H = 3)
+    g = run(cfg(**{"outer.algorithm": "gasloc", "outer.form": form, "topology": "complete", "outer.momentum": 0.9,
+                   "outer.outer_lr": 0.7}))
     assert losses(g) == pytest.approx(losses(d), rel=1e-5, abs=1e-6)
     assert losses(g, "val_loss_avg_model") == pytest.approx(losses(d, "val_loss_avg_model"), rel=1e-5)
     assert losses(d)[-1] < losses(d)[0] - 0.2  # and it learned something
@@ -41,7 +42,8 @@ def test_gasloc_on_the_complete_graph_is_diloco(form, diloco):
 @pytest.mark.timeout(60)
 def test_form_a_is_not_diloco(diloco):
     d = diloco
-    a = run(cfg(**{"outer.algorithm": "gasloc", "outer.form": "A", "topology": "complete", "outer.momentum": 0.9}))
+    a = run(cfg(**{"outer.algorithm": "gasloc", "outer.form": "A", "topology": "complete", "outer.momentum": 0.9,
+                   "outer.outer_lr": 0.7}))
     assert abs(losses(a)[-1] - losses(d)[-1]) > 1e-4 and a["evals"][-1]["consensus"] > 1e-4
 
 
@@ -89,7 +91,8 @@ def test_time_budget_gives_fast_workers_more_steps_and_local_sends_nothing():
 
 def test_two_partner_mixing_uses_symmetric_weights_and_keeps_the_mean():
     # the mixing weights alone: the guard would (rightly) reject these far-apart hand-made models
-    t = SimTrainer(cfg(workers=3, **{"num_partners": 2, "guard.enabled": False}))
+    t = SimTrainer(cfg(workers=3, **{"num_partners": 2, "guard.enabled": False,
+                                          "schedule": "lockstep"}))
     xs = [torch.tensor([0.0, 3.0]), torch.tensor([3.0, 0.0]), torch.tensor([6.0, 6.0])]
     t.sent = [[x] for x in xs]
     t.mix_round({0: [1, 2], 1: [0], 2: [0]})  # worker 0 has two partners: every edge weighs 1/3

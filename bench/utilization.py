@@ -4,7 +4,7 @@ the same number of bare training loops run side by side in the same invocation.
 For each swarm size N (default 3 and 5: odd on purpose, so every round one peer is left without a partner):
   fixed     bootstrap + N `gasloc peer` processes for `rounds` rounds, swarm.adaptive_deadline = false: a peer
             without a partner searches the full partner_deadline_s
-  adaptive  the same with swarm.adaptive_deadline = true (the default)
+  adaptive  the same with swarm.adaptive_deadline = true (opt-in)
 and during each of those runs, side by side with it, N bare inner loops (the peer's model, data, AdamW, batch and
 torch threads, built from the same peer TOML by the same functions), stepping until the swarm is done: what N
 inner loops deliver on this machine at that time (other jobs on a shared machine come and go; running both at

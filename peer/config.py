@@ -83,7 +83,7 @@ class SwarmConfig(_Section):
                                   "announcement (refreshed every ttl/3); also how long a dead peer stays listed")
     partner_deadline_s: float = Field(10.0, gt=0, description="per round, how long to look for a partner before "
                                       "a solo round")
-    adaptive_deadline: bool = Field(True, description="end a plain round's partner search at median + "
+    adaptive_deadline: bool = Field(False, description="end a plain round's partner search at median + "
                                     "adaptive_deadline_k * MAD of how long recent searches waited for their "
                                     "partner (at most partner_deadline_s, at least partner_deadline_min_s), and at "
                                     "once when no peer is ready and every training peer announces a round past "

@@ -42,14 +42,14 @@ class GuardConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(True, description="guard every mix (false: mix whatever passes the wire checks)")
-    clip_factor: float = Field(3.0, gt=1, description="k: clip a partner's difference at tau = k x the median of "
+    clip_factor: float = Field(2.0, gt=1, description="k: clip a partner's difference at tau = k x the median of "
                                "our recent partner distances ||y_j - y|| / ||y||")
     reject_factor: float = Field(4.0, gt=1, description="reject a partner farther than this many times tau")
     history: int = Field(16, ge=1, description="how many of our recent accepted partner distances tau is taken "
                          "from")
     min_history: int = Field(3, ge=1, description="until this many distances are known (first rounds, fresh "
                              "joiner, after a resync), tau is first_rounds_tau")
-    first_rounds_tau: float = Field(0.3, gt=0, description="tau (a relative distance) before min_history "
+    first_rounds_tau: float = Field(0.2, gt=0, description="tau (a relative distance) before min_history "
                                     "distances are known")
     min_tau: float = Field(1e-3, gt=0, description="tau is never below this (peers that just started from the "
                            "same model are almost equal)")

@@ -41,7 +41,8 @@ class GuardConfig(BaseModel):
     trust."""
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = Field(True, description="guard every mix (false: mix whatever passes the wire checks)")
+    enabled: bool = Field(False, description="guard every mix (false: mix whatever passes the wire checks); off by "
+                          "default: it also rejects honest peers that fell behind (a resume from an old checkpoint)")
     clip_factor: float = Field(2.0, gt=1, description="k: clip a partner's difference at tau = k x the median of "
                                "our recent partner distances ||y_j - y|| / ||y||")
     reject_factor: float = Field(4.0, gt=1, description="reject a partner farther than this many times tau")

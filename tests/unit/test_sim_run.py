@@ -120,13 +120,13 @@ def test_the_guard_leaves_honest_mixing_unchanged_and_rejects_a_poisoned_worker(
     base = {"workers": 4, "rounds": 8, "eval_every": 4, "model.seq_len": 32, "data.batch_size": 2,
             "data.val_batches": 1, "inner.inner_steps": 4, "inner.warmup_steps": 4, "seed": 3, "topology": "random"}
     off = run(resolve(SimConfig, flags={**base, "guard.enabled": False}, environ={}))
-    on = run(resolve(SimConfig, flags=base, environ={}))
+    on = run(resolve(SimConfig, flags={**base, "guard.enabled": True}, environ={}))
     assert on["guard"]["accept"] + on["guard"]["clip"] > 0 and off["guard"] == dict.fromkeys(off["guard"], 0)
     for a, b in zip(off["evals"], on["evals"], strict=True):
         assert a["tokens"] == b["tokens"]
         assert b["val_loss_mean"] == pytest.approx(a["val_loss_mean"], rel=0.005)
 
-    cfg = resolve(SimConfig, flags=base, environ={})
+    cfg = resolve(SimConfig, flags={**base, "guard.enabled": True}, environ={})
     t = SimTrainer(cfg)
     for i in range(4):
         t.inner(i, 4)

@@ -119,6 +119,9 @@ class SwarmConfig(_Section):
                                  "worse than a fresh model, tries another, at most this many times")
     join_timeout_s: float = Field(120.0, gt=0, description="give up downloading the state after this long and "
                                   "start from a fresh model")
+    join_listing_wait_s: float = Field(3.0, ge=0, description="a joiner whose first listing names no other peer "
+                                       "although initial peers are set lists again for up to this long before it "
+                                       "starts from the seed model (its DHT node may not know the swarm yet)")
     resync_after_rounds: float = Field(3.0, ge=0, description="a peer whose process was stopped (SIGSTOP, "
                                        "suspend) for longer than announce_ttl_s and this many of its rounds "
                                        "downloads the swarm's state instead of mixing its stale model; 0: never")

@@ -355,13 +355,24 @@ class Network:
             await asyncio.wait_for(fut, self.cfg.state_transfer.accept_timeout_s / 2)
         return self._snapshot
 
+    def _first_listing(self) -> dict[str, PeerRecord]:
+        """The listing a joiner picks its donor from. The first one is taken right after our DHT node started and
+        may come back before the node knows the swarm: with initial peers set, an empty one is taken again for up
+        to join_listing_wait_s (a soak run's joiner started from the seed model beside five trained peers). Only
+        an empty listing waits: peers started together see each other at round 0 and start at once."""
+        deadline = time.monotonic() + self.cfg.swarm.join_listing_wait_s
+        while not self.live and self.cfg.network.initial_peers and time.monotonic() < deadline:
+            time.sleep(LIST_PERIOD_S)
+            self.refresh_listing()
+        return self.live
+
     def download_state(self, params: list[torch.Tensor], outer, exclude: Collection[str] = ()):
         """(donor, metadata, params, outer_state) from a live peer not in `exclude`, or None when nobody is there
         (a fresh swarm) or no donor delivered a verified state in time (then the peer starts from the seed model,
         logged)."""
         from gasloc.peer.transport.state_transfer import StateDownloadError, download_state
 
-        live = self.live
+        live = self._first_listing()
         # Only peers that trained at least one round: peers started together all hold the seed model already.
         # The announced round is a claim, so it does not pick the donor: a random one of the top join_donor_pool
         # goes first (a liar claiming round 1e9 is first only that often), then the rest, most advanced first; a

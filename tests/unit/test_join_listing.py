@@ -1,0 +1,55 @@
+"""A joiner's first listing (peer/swarm/network.py `_first_listing`): an empty one is taken again while initial
+peers are set, so a joiner whose DHT node does not know the swarm yet does not start from the seed model."""
+from __future__ import annotations
+
+import pytest
+
+from gasloc.peer.config import PeerConfig
+from gasloc.peer.swarm import network as network_mod
+from gasloc.peer.swarm.network import Network
+
+
+def _net(initial_peers: list[str], listings: list[dict], wait_s: float = 3.0) -> tuple[Network, list[int]]:
+    net = Network.__new__(Network)  # only the listing side is exercised: no DHT, no loop
+    cfg = PeerConfig()
+    cfg.network.initial_peers = initial_peers
+    cfg.swarm.join_listing_wait_s = wait_s
+    net.cfg, net.live = cfg, {}
+    calls = [0]
+
+    def refresh():
+        calls[0] += 1
+        net.live = listings.pop(0) if listings else {}
+
+    net.refresh_listing = refresh
+    return net, calls
+
+
+@pytest.fixture(autouse=True)
+def fast_period(monkeypatch):
+    monkeypatch.setattr(network_mod, "LIST_PERIOD_S", 0.01)
+
+
+def test_an_empty_first_listing_is_taken_again_until_the_swarm_shows():
+    net, calls = _net(["/ip4/127.0.0.1/tcp/1/p2p/QmBoot"], [{}, {}, {"peerA": "record"}])
+    assert net._first_listing() == {"peerA": "record"}
+    assert calls[0] == 3
+
+
+def test_no_initial_peers_means_a_new_swarm_and_no_wait():
+    net, calls = _net([], [{"peerA": "record"}])
+    assert net._first_listing() == {}
+    assert calls[0] == 0
+
+
+def test_a_listing_that_names_anyone_is_used_at_once():
+    net, calls = _net(["/ip4/127.0.0.1/tcp/1/p2p/QmBoot"], [])
+    net.live = {"peerB": "record"}
+    assert net._first_listing() == {"peerB": "record"}
+    assert calls[0] == 0
+
+
+def test_the_wait_is_bounded():
+    net, calls = _net(["/ip4/127.0.0.1/tcp/1/p2p/QmBoot"], [], wait_s=0.05)
+    assert net._first_listing() == {}
+    assert 1 <= calls[0] <= 10

@@ -39,6 +39,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak_report import Incarnation, analyse, format_table  # noqa: E402  (bench/ is scripts, not a package)
 
+from gasloc.runtime.jsonl import read_jsonl  # noqa: E402
 from gasloc.runtime.procs import Supervisor, gasloc_argv  # noqa: E402
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -73,20 +74,6 @@ every_rounds = 5
 [run]
 eval_every_rounds = 3
 """
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    out = []
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def rss_and_fds(pid: int) -> tuple[float, int] | None:

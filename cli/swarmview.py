@@ -2,10 +2,11 @@
 summary and the loss-against-time PNG. No processes here: see gasloc.cli.swarm for those."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from gasloc.runtime.jsonl import parse_jsonl
 
 
 class JsonlTail:
@@ -24,13 +25,7 @@ class JsonlTail:
         self._offset += len(data)
         lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line torn by a kill: skipped
-        return out
+        return parse_jsonl(lines)
 
 
 @dataclass

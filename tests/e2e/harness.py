@@ -11,7 +11,6 @@ Layout under run_dir: `<name>.log` (stderr), `<name>.stdout` (the READY line), `
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gasloc.runtime.jsonl import read_jsonl
 from gasloc.runtime.procs import Child, Leftovers, Supervisor, gasloc_argv
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -35,21 +35,6 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["GASLOC_LOG_LEVEL"] = "INFO"
     env.update(extra or {})
     return env
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Complete JSON lines of a file being appended to (a torn last line is skipped, not an error)."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 class Harness:

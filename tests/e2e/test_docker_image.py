@@ -22,6 +22,8 @@ from typing import TypeVar
 
 import pytest
 
+from gasloc.runtime.jsonl import parse_jsonl
+
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "gasloc:latest"  # the tag docker-compose.yml runs
 ROUNDS = 10  # judged over each peer's first ROUNDS rounds, not over seconds (the machine's load varies)
@@ -159,13 +161,7 @@ def health(cid: str) -> str:
 def metrics(cid: str) -> list[dict]:
     """The peer's metrics.jsonl records (a torn last line is skipped)."""
     r = sh("docker", "exec", cid, "cat", "/data/run/metrics.jsonl", check=False)
-    out = []
-    for line in r.stdout.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return parse_jsonl(r.stdout.splitlines())
 
 
 def events(records: list[dict], event: str) -> list[dict]:

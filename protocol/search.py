@@ -22,8 +22,9 @@ Rules (their reasons are in protocol/partners.py):
 - adaptive deadline (SearchRules.adaptive): a plain search ends at median + k*MAD of how long recent searches
   waited for their partner (within [partner_deadline_min_s, partner_deadline_s]; a search that hit its deadline
   while someone was coming counts as a wait of that deadline, so the estimate grows back when it was too short),
-  and at once when nobody is coming: no peer is ready and every training peer announces a round past ours (it
-  already finished the round we are in and is busy with the next);
+  and at once when nobody is coming: no peer is ready and no training peer is expected ready before our deadline
+  (the driver's estimate: when it entered its inner phase plus how long that phase takes it; rounds are not
+  compared - peers' round counts drift apart and say nothing about when they are ready);
 - never call a peer in `uncallable` (behind NAT and attached to no forwarder: it calls; protocol/reach.py), but
   keep waiting for its call;
 - pick among ready peers not in backoff, passing over our recent partners, and (with slower_link_ratio, in a
@@ -87,8 +88,9 @@ class Sight:
     rates: bytes/s of our last exchange with a peer (0 or absent: never); own_link: our link's estimate;
     cut: an overlapped search may end (our next inner phase is over; plain rounds: always True);
     engaged_as_responder: a partner is mid-exchange with us right now;
-    training: live peers in state "training" -> the round they announce (a claim: at worst it makes us wait up to
-    the deadline for a peer that is not coming, or go solo a round early); own_round: the round we exchange for."""
+    training: live peers in state "training" -> when (on the `now` clock) they are expected to be ready, estimated
+    by the driver from what they announce (a claim: at worst it makes us wait up to the deadline for a peer that is
+    not coming, or go solo a round early); a peer whose time is unknown counts as expected now."""
     live: Collection[str]
     ready: Mapping[str, float]
     rates: Mapping[str, float] = field(default_factory=dict)
@@ -96,14 +98,12 @@ class Sight:
     cut: bool = True
     stopping: bool = False
     engaged_as_responder: bool = False
-    training: Mapping[str, int] = field(default_factory=dict)
-    own_round: int | None = None
+    training: Mapping[str, float] = field(default_factory=dict)
 
-    def coming(self) -> set[str]:
-        """Peers that may still become ready for the round we are in: ready now, or training on a round not past
-        ours (announced rounds are completed rounds; one past ours has left our round boundary behind).
-        own_round None: unknown, every training peer counts."""
-        return set(self.ready) | {q for q, r in self.training.items() if self.own_round is None or r <= self.own_round}
+    def coming(self, by: float) -> set[str]:
+        """Peers that may still become ready for the round we are in: ready now, or training and expected ready
+        by `by` (our search's deadline)."""
+        return set(self.ready) | {q for q, eta in self.training.items() if eta <= by}
     uncallable: Collection[str] = ()   # live peers nobody can call: they call us (protocol/reach.py route)
 
 
@@ -195,7 +195,7 @@ class Search:
 
     def next(self, sight: Sight, now: float) -> Action:
         p, r = self.policy, self.policy.rules
-        coming = sight.coming() - self.gone
+        coming = sight.coming(self.deadline) - self.gone
         if (now >= self.deadline and (not self.overlapped or sight.cut)) or sight.stopping:
             if not sight.stopping and r.adaptive and not self.overlapped and coming:
                 # censored sample: someone was coming and did not make it; the estimate must be able to grow back

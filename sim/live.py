@@ -63,6 +63,7 @@ class LiveEngine(Engine):
         self.rates: list[dict[str, float]] = [{} for _ in range(self.k)]  # bytes/s of our last exchange with each
         self.own_link = [0.0] * self.k
         self.token = [0] * self.k      # invalidates a worker's pending search step when an incoming call took it
+        self.ready_at = [0.0] * self.k  # when a computing worker's inner phase ends (what a live peer estimates)
         self.search_start = [0.0] * self.k
         self.exchange_start = [0.0] * self.k
         self.events: list[tuple[float, int, str, int, int]] = []
@@ -83,14 +84,16 @@ class LiveEngine(Engine):
     def _start_compute(self, i: int, t: float) -> None:
         w = self.workers[i]
         self.state[i], w.planned_steps = COMPUTE, self.steps_for(i)
-        self._at(t + w.planned_steps * self.links[i].seconds_per_step, "computed", i)
+        self.ready_at[i] = t + w.planned_steps * self.links[i].seconds_per_step
+        self._at(self.ready_at[i], "computed", i)
 
     def _sight(self, i: int) -> Sight:
         names, state = self.names, self.state
         nb = self.neighbours[i]
         return Sight(live=[names[j] for j in nb],
                      ready={names[j]: self.own_link[j] for j in nb if state[j] != COMPUTE},
-                     rates=self.rates[i], own_link=self.own_link[i])
+                     rates=self.rates[i], own_link=self.own_link[i],
+                     training={names[j]: self.ready_at[j] for j in nb if state[j] == COMPUTE})
 
     def run(self, trainer: Trainer, horizon_s: float = math.inf) -> Iterator[float]:
         """Process events in virtual-time order, yielding after each; ends before an event later than

@@ -120,7 +120,7 @@ class GossipAveraging:
             log.error("round=%d partner search overran its %.0f s limit; solo round", round, limit)
             return RoundExchange(outcome="failed", detail="partner search overran its limit")
 
-    def _sight(self, cut: threading.Event | None, round: int) -> Sight:
+    def _sight(self, cut: threading.Event | None) -> Sight:
         live = self.net.live
         ex = self.exchanger
         # partner weights are our own measured rates with each peer: a record's bandwidth_bps is its owner's
@@ -129,7 +129,7 @@ class GossipAveraging:
                      rates={p: ex.rate(p) for p in live}, own_link=self.own_link(),
                      cut=cut is None or cut.is_set(), stopping=self.stopping.is_set(),
                      engaged_as_responder=(ex.engaged or "").startswith("responder"),
-                     training={p: r.round for p, r in live.items() if r.state == "training"}, own_round=round,
+                     training=self.net.ready_at(time.monotonic()),
                      uncallable=self.net.uncallable())
 
     async def _average(self, sent: list[torch.Tensor], round: int, cut: threading.Event | None = None,
@@ -146,7 +146,7 @@ class GossipAveraging:
         try:
             while not self._take(await ex.wait_incoming(0), report):
                 self.net.request_listing(max_age_s=LISTING_MAX_AGE_S)  # the search never waits on the DHT
-                action = search.next(self._sight(cut, round), time.monotonic())
+                action = search.next(self._sight(cut), time.monotonic())
                 if isinstance(action, Finish):
                     if action.let_finish_s:
                         # a partner is mid-exchange with us: let it finish (bounded by its own deadline) rather

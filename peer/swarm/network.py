@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import get_dht_time
 
 from gasloc.peer.swarm.absence import AbsenceWatch
 from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe_addrs
@@ -72,7 +73,8 @@ class Network:
         self.p2p = None
         self.membership: Membership | None = None
         self.state_server = None
-        self.live: dict[str, PeerRecord] = {}      # compatible live peers, as of the last listing
+        self._live: dict[str, PeerRecord] = {}     # compatible live peers, as of the last listing (`live`)
+        self._entered: dict[str, tuple[str, int, float]] = {}  # peer -> (state, round, DHT time it entered them)
         self.peer_id, self.maddrs, self.fingerprint = "", [], ""
         self.signer = None
         self._tasks: list = []
@@ -299,6 +301,37 @@ class Network:
             return
         if found is not None:
             self.live, self.listed_at = found, time.monotonic()
+
+    @property
+    def live(self) -> dict[str, PeerRecord]:
+        return self._live
+
+    @live.setter
+    def live(self, records: dict[str, PeerRecord]) -> None:
+        # when each peer entered its announced (state, round): the earliest announcement time seen for it (the
+        # announcer re-stores the same state every announce_ttl_s / 3 with a newer time)
+        entered = {}
+        for pid, r in records.items():
+            old = self._entered.get(pid)
+            same = old is not None and old[:2] == (r.state, r.round)
+            entered[pid] = (r.state, r.round, min(old[2], r.time) if same else r.time)
+        self._live, self._entered = records, entered
+
+    def ready_at(self, now: float) -> dict[str, float]:
+        """Peers in state "training" -> when they are expected to be ready, on the clock of `now` (monotonic): the
+        time they announced entering the inner phase plus how long it takes them (our inner steps at the tokens/s
+        they announce). Unknown speed (their first round): expected now. Claims both; at worst we wait up to our
+        deadline for a peer that is not coming, or go solo a round early (protocol/search.py Sight.coming)."""
+        c = self.cfg
+        tokens = c.inner.inner_steps * c.data.batch_size * c.model.seq_len
+        offset = now - get_dht_time()
+        out = {}
+        for pid, r in self._live.items():
+            if r.state != "training":
+                continue
+            since = self._entered.get(pid, (r.state, r.round, r.time))[2]
+            out[pid] = since + tokens / r.throughput_tps + offset if r.throughput_tps > 0 else now
+        return out
 
     def ready_peers(self) -> dict[str, PeerRecord]:
         """Compatible peers that were ready to exchange at the last listing (at most LIST_PERIOD_S old)."""

@@ -24,6 +24,9 @@ class _Net:
     def ready_peers(self):
         return {p: r for p, r in self.live.items() if r.state == "exchanging"}
 
+    def ready_at(self, now):
+        return {}  # nobody training: every peer here announces "exchanging"
+
     def uncallable(self):
         return set()  # everyone is directly reachable here (NAT: protocol/reach.py)
 
@@ -44,7 +47,7 @@ def _sight(claimed_by_sybil: float, rates: dict[str, float]):
                                    for p in ("sybil", "h1", "h2")}), stopping=threading.Event(),
                         set_state=lambda s: None)
     g.exchanger = _Exchanger(rates)
-    return g._sight(None, 0)
+    return g._sight(None)
 
 
 def _shares(ready, n=3000) -> Counter:

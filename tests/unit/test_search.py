@@ -178,7 +178,7 @@ def test_adaptive_deadline_is_the_fixed_one_until_it_has_history_then_median_plu
     # median 2.0, MAD 0.4: 2.0 + 3 * 0.4
     assert p.deadline_s() == pytest.approx(3.2)
     s = p.begin(100.0)
-    actions, end = run_until_finish(s, lambda now: sight({"a"}, training={"a": 5}, own_round=5), t0=100.0)
+    actions, end = run_until_finish(s, lambda now: sight({"a"}, training={"a": 101.0}), t0=100.0)
     assert end == pytest.approx(103.2) and actions[-1] == Finish("deadline")
 
 
@@ -203,47 +203,64 @@ def test_a_deadline_hit_while_someone_was_coming_counts_so_the_estimate_grows_ba
         p.succeeded("b", waited_s=w)
     assert p.deadline_s() == pytest.approx(1.0)
     deadlines = []
-    for _ in range(10):  # the swarm slowed down: b now needs 4 s, and keeps missing the short deadline
-        s = p.begin(0.0)
-        _, end = run_until_finish(s, lambda now: sight({"b"}, training={"b": 7}, own_round=7))
+    for _ in range(10):  # the swarm slowed down: b now needs 4 s, and keeps missing the short deadline (its
+        s = p.begin(0.0)  # expected time says 0.5 s: a claim, or an estimate from an older speed)
+        _, end = run_until_finish(s, lambda now: sight({"b"}, training={"b": 0.5}))
         deadlines.append(end)
     assert deadlines[0] == pytest.approx(1.0)
     assert deadlines == sorted(deadlines) and deadlines[-1] >= 4.0
 
 
 def test_nobody_coming_finishes_at_once():
-    """Every other peer already announced a round past ours (they paired and moved on): solo at once."""
+    """No peer ready and every training peer expected ready only after our deadline (they paired and started their
+    next inner phase): solo at once. ADAPT's deadline here is the fixed 10 s (no history yet)."""
     s = policy(ADAPT).begin(0.0)
-    assert s.next(sight({"a", "b"}, training={"a": 8, "b": 8}, own_round=7), 0.0) == Finish("nobody coming")
-    # one of them still in our round (or behind): it is coming, wait for it
+    assert s.next(sight({"a", "b"}, training={"a": 12.0, "b": 11.0}), 0.0) == Finish("nobody coming")
+    # one of them expected ready before our deadline: it is coming, wait for it
     s = policy(ADAPT).begin(0.0)
-    assert s.next(sight({"a", "b"}, training={"a": 8, "b": 7}, own_round=7), 0.0) == Wait(0.25)
-    assert s.next(sight({"a", "b"}, training={"a": 8, "b": 3}, own_round=7), 0.0) == Wait(0.25)
+    assert s.next(sight({"a", "b"}, training={"a": 12.0, "b": 4.0}), 0.0) == Wait(0.25)
+    # overdue (its estimate has passed) still counts as coming until the deadline
+    assert s.next(sight({"a", "b"}, training={"a": 12.0, "b": -3.0}), 0.0) == Wait(0.25)
     # a ready peer is coming by definition; a joining peer (neither ready nor training) is not
-    assert policy(ADAPT).begin(0.0).next(sight({"a"}, {"a"}, own_round=7), 0.0) == Call("a")
-    assert policy(ADAPT).begin(0.0).next(sight({"j"}, own_round=7), 0.0) == Finish("nobody coming")
+    assert policy(ADAPT).begin(0.0).next(sight({"a"}, {"a"}), 0.0) == Call("a")
+    assert policy(ADAPT).begin(0.0).next(sight({"j"}), 0.0) == Finish("nobody coming")
     # a responder exchange in flight with us is never cut off
     s = policy(ADAPT).begin(0.0)
-    assert s.next(sight({"a"}, training={"a": 8}, own_round=7, engaged_as_responder=True), 0.0) == Wait(0.25)
+    assert s.next(sight({"a"}, training={"a": 30.0}, engaged_as_responder=True), 0.0) == Wait(0.25)
     # adaptive off: the fixed rules wait for the deadline
-    assert policy(RULES).begin(0.0).next(sight({"a"}, training={"a": 8}, own_round=7), 0.0) == Wait(0.25)
+    assert policy(RULES).begin(0.0).next(sight({"a"}, training={"a": 30.0}), 0.0) == Wait(0.25)
+
+
+def test_round_counts_do_not_decide_who_is_coming():
+    """Two peers whose round counts drifted apart (a resumed peer, a late joiner): the one behind in rounds still
+    waits for the one ahead when that one's inner phase ends before the deadline. The old rule (a training peer
+    with a round past ours is not coming) sent the peer behind solo every round, and the pair apart for good."""
+    p = policy(ADAPT)
+    for w in (1.5, 2.0, 2.5):
+        p.succeeded("x", waited_s=w)
+    s = p.begin(0.0)  # deadline 2.0 + 3 * 0.5 = 3.5 s
+    see = lambda now: sight({"ahead"}, {"ahead"}) if now >= 2.0 else sight({"ahead"}, training={"ahead": 2.0})
+    now = 0.0
+    while isinstance(a := s.next(see(now), now), Wait):
+        now += a.seconds
+    assert a == Call("ahead") and now == pytest.approx(2.0)
 
 
 def test_an_overlapped_search_waits_for_its_cut_even_when_nobody_is_coming_and_learns_nothing():
     p = policy(ADAPT)
     s = p.begin(0.0, window_s=5.0)
-    see = dict(training={"a": 9}, own_round=7)
+    see = dict(training={"a": 20.0})
     assert s.next(sight({"a"}, cut=False, **see), 0.0) == Wait(0.25)  # searching costs nothing before the cut
     assert s.next(sight({"a"}, cut=True, **see), 0.0) == Finish("nobody coming")
     s = p.begin(0.0, window_s=5.0)
-    assert s.next(sight({"a"}, cut=True, training={"a": 7}, own_round=7), 12.0) == Finish("deadline")
+    assert s.next(sight({"a"}, cut=True, training={"a": 13.0}), 12.0) == Finish("deadline")
     assert len(p.waits) == 0  # overlapped waits are hidden by inner steps: not samples
 
 
 def test_odd_swarm_on_a_virtual_clock_adaptive_against_fixed():
     """Three peers with equal rounds of 4 s: each round two pair and the third is left over. With the fixed
     deadline the leftover waits for a partner until one of the others comes back a round later; adaptive, it
-    sees both announce the next round and goes solo at once. Idle seconds per round of the leftover, both ways,
+    sees both in an inner phase that ends after its deadline and goes solo at once. Idle seconds per round of the leftover, both ways,
     from the same policy code."""
     def leftover_wait(rules: SearchRules) -> float:
         p = policy(rules)
@@ -251,8 +268,8 @@ def test_odd_swarm_on_a_virtual_clock_adaptive_against_fixed():
             p.succeeded("x", waited_s=w)
         s = p.begin(0.0)
         compute_s = 4.0  # a and b exchanged at t=0 and are now training round 8, ready again at t=4
-        see = lambda now: (sight({"a", "b"}, {"a", "b"}, own_round=7) if now >= compute_s
-                           else sight({"a", "b"}, training={"a": 8, "b": 8}, own_round=7))
+        see = lambda now: (sight({"a", "b"}, {"a", "b"}) if now >= compute_s
+                           else sight({"a", "b"}, training={"a": compute_s, "b": compute_s}))
         now = 0.0
         while True:
             a = s.next(see(now), now)
@@ -268,7 +285,7 @@ def test_a_partner_without_a_free_offer_is_not_coming_whatever_the_stale_listing
     """The listing (up to ~1 s old) still shows a peer "exchanging" after it paired with someone else; its BUSY
     "no free offer" tells us it is done with this round: it is neither called again nor waited for."""
     s = policy(ADAPT).begin(0.0)
-    stale = sight({"a", "b"}, {"a", "b"}, own_round=7)
+    stale = sight({"a", "b"}, {"a", "b"})
     first = s.next(stale, 0.0)
     assert isinstance(first, Call)
     s.called(first.peer, "busy", 0.0, gone=True)
@@ -279,7 +296,7 @@ def test_a_partner_without_a_free_offer_is_not_coming_whatever_the_stale_listing
     # engaged elsewhere (or calling us at the same moment) is not gone: it may still become free
     s = policy(ADAPT).begin(0.0)
     s.called("a", "busy", 0.0)
-    assert s.next(sight({"a"}, {"a"}, own_round=7), 0.1) == Wait(0.25)
+    assert s.next(sight({"a"}, {"a"}), 0.1) == Wait(0.25)
 
 
 def test_a_peer_we_must_not_call_is_never_called_but_still_waited_for():

@@ -86,8 +86,9 @@ class SwarmConfig(_Section):
     adaptive_deadline: bool = Field(False, description="end a plain round's partner search at median + "
                                     "adaptive_deadline_k * MAD of how long recent searches waited for their "
                                     "partner (at most partner_deadline_s, at least partner_deadline_min_s), and at "
-                                    "once when no peer is ready and every training peer announces a round past "
-                                    "ours (nobody is coming); false: always search for partner_deadline_s")
+                                    "once when no peer is ready and no training peer is expected ready before that "
+                                    "deadline (from when it announced its inner phase and its announced tokens/s: "
+                                    "nobody is coming); false: always search for partner_deadline_s")
     adaptive_deadline_k: float = Field(3.0, ge=0, description="adaptive_deadline: how many MADs above the "
                                        "median wait the deadline lies")
     partner_deadline_min_s: float = Field(1.0, gt=0, description="adaptive_deadline: the shortest deadline "

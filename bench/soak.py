@@ -281,7 +281,7 @@ def main(peers, minutes, seed, fault_every_s, stop_s, run_dir, json_out, png_out
                  "sockets_of_kill9": of_unclean, "shm": left.shm}
     incs = soak.collect()
     res = analyse(incs, t0=t0, t1=t1, exchange_timeout_s=EXCHANGE_TIMEOUT_S, grace_s=GRACE_S, leftovers=leftovers,
-                  faults=[{**f, "minute": (f["time"] - t0) / 60} for f in soak.faults])
+                  faults=[{**f, "minute": (f["time"] - t0) / 60} for f in soak.faults], stop_s=stop_s)
     hard = {n for n, i in soak.incs.items() if i.hard_killed}  # their -9 is the fault itself
     res.update(seed=seed, peers=peers, exit_codes=codes,
                bad_exits={n: c for n, c in codes.items() if c != 0 and n not in hard})

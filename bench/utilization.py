@@ -5,6 +5,8 @@ For each swarm size N (default 3 and 5: odd on purpose, so every round one peer 
   fixed     bootstrap + N `gasloc peer` processes for `rounds` rounds, swarm.adaptive_deadline = false: a peer
             without a partner searches the full partner_deadline_s
   adaptive  the same with swarm.adaptive_deadline = true (opt-in)
+  overlap   the fixed deadline with outer.overlap = true: each round's exchange runs during the next round's
+            inner steps (one-round-delayed mixing), so a search costs no compute time at all
 and during each of those runs, side by side with it, N bare inner loops (the peer's model, data, AdamW, batch and
 torch threads, built from the same peer TOML by the same functions), stepping until the swarm is done: what N
 inner loops deliver on this machine at that time (other jobs on a shared machine come and go; running both at
@@ -44,6 +46,8 @@ seq_len = {seq_len}
 batch_size = {batch_size}
 [inner]
 inner_steps = {inner_steps}
+[outer]
+overlap = {overlap}
 [swarm]
 run_id = "{run_id}"
 adaptive_deadline = {adaptive}
@@ -56,8 +60,13 @@ eval_every_rounds = {no_eval}
 """
 
 
-def write_toml(path: Path, *, adaptive: bool, run_id: str, o: dict) -> Path:
-    path.write_text(BENCH_TOML.format(adaptive=str(adaptive).lower(), run_id=run_id, no_eval=o["rounds"] + 1,
+MODES = {"fixed": (False, False), "adaptive": (True, False), "overlap": (False, True)}  # (adaptive, overlap)
+
+
+def write_toml(path: Path, *, mode: str, run_id: str, o: dict) -> Path:
+    adaptive, overlap = MODES[mode]
+    path.write_text(BENCH_TOML.format(adaptive=str(adaptive).lower(), overlap=str(overlap).lower(), run_id=run_id,
+                                      no_eval=o["rounds"] + 1,
                                       **{k: o[k] for k in ("preset", "seq_len", "batch_size", "inner_steps",
                                                            "deadline_s", "rounds", "threads")}))
     return path
@@ -67,6 +76,10 @@ def bare_worker(config: Path, out: Path, stop: Path) -> None:
     """The inner loop of one peer without the peer: same config, same builders, no network, no outer step. Warmed
     up by one step, then steps until `stop` appears, writing the wall-clock end time of every step to `out`."""
     import torch
+
+    from gasloc.runtime.procs import die_with_supervisor
+
+    die_with_supervisor()
 
     from gasloc.peer.config import PeerConfig
     from gasloc.peer.train.data import build_data
@@ -182,7 +195,8 @@ def format_table(rows: list[dict]) -> str:
 @click.group(invoke_without_command=True)
 @click.option("--peers", default="3,5", help="swarm sizes, comma-separated")
 @click.option("--rounds", default=15, type=click.IntRange(2), help="rounds per peer in each swarm run")
-@click.option("--modes", default="fixed,adaptive", help="swarm runs: fixed and/or adaptive")
+@click.option("--modes", default="fixed,adaptive,overlap", help="swarm runs, comma-separated: fixed, adaptive, "
+              "overlap")
 @click.option("--preset", default="tiny")
 @click.option("--inner-steps", default=10, type=click.IntRange(1))
 @click.option("--batch-size", default=8, type=click.IntRange(1))
@@ -203,8 +217,8 @@ def main(ctx, peers, rounds, modes, preset, inner_steps, batch_size, seq_len, th
         raise click.BadParameter(f"{peers!r} is not a comma-separated list of integers", param_hint="--peers") \
             from None
     mode_list = [m for m in modes.split(",") if m]
-    if not sizes or min(sizes) < 2 or any(m not in ("fixed", "adaptive") for m in mode_list) or not mode_list:
-        raise click.UsageError("--peers takes sizes >= 2; --modes takes fixed and/or adaptive")
+    if not sizes or min(sizes) < 2 or any(m not in MODES for m in mode_list) or not mode_list:
+        raise click.UsageError(f"--peers takes sizes >= 2; --modes takes {', '.join(MODES)}")
     run_dir = (run_dir or Path("runs") / time.strftime("util-%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     o = dict(preset=preset, seq_len=seq_len, batch_size=batch_size, inner_steps=inner_steps, deadline_s=deadline_s,
@@ -215,7 +229,7 @@ def main(ctx, peers, rounds, modes, preset, inner_steps, batch_size, seq_len, th
     try:
         for n in sizes:
             for m in mode_list:
-                cfg = write_toml(run_dir / f"{m}-{n}.toml", adaptive=(m == "adaptive"), run_id=f"util-{m}-{n}", o=o)
+                cfg = write_toml(run_dir / f"{m}-{n}.toml", mode=m, run_id=f"util-{m}-{n}", o=o)
                 # the bare loops run during the swarm run, so both see the same machine (other jobs come and go)
                 names, outs, stop = start_bare(sup, run_dir, cfg, f"{m}-{n}", n)
                 try:

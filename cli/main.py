@@ -44,4 +44,7 @@ def cli() -> None:
 
 
 if __name__ == "__main__":  # `python -m gasloc.cli.main`: how supervisors start children with their own interpreter
+    from gasloc.runtime.procs import die_with_supervisor
+
+    die_with_supervisor()
     cli()

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 READY_PREFIX = "READY "
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
+PARENT_ENV = "GASLOC_SUPERVISOR_PID"  # set by Supervisor.start: the child asks for a death signal itself
+# Loaded once, here: a dlopen in a child forked from a multi-threaded process (safeproc's DHT fork) can block on
+# the loader lock another thread held at fork time.
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 # ----------------------------------------------------------------------------------------------- READY line
@@ -57,7 +61,21 @@ def gasloc_argv(*args: str) -> list[str]:
 
 def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `sig` to this process when the thread that forked it exits (see docs/hivemind.md §5)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    _LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def die_with_supervisor() -> None:
+    """In a child of Supervisor.start, first thing after exec: SIGTERM when the supervisor's starting thread exits.
+    Asked by the child, not in a preexec_fn: Python code between fork and exec in a multi-threaded parent can
+    deadlock (a soak run's restarted peer hung there, never exec'd, and with the parent's Python SIGTERM handler
+    inherited it ignored SIGTERM until SIGKILL). Our parent may be a wrapper that exec'd us (`ip netns exec`) or
+    forked us; reparented to init means the supervisor died before we asked: stop now."""
+    expected = os.environ.pop(PARENT_ENV, None)
+    if not expected:
+        return
+    set_pdeathsig(signal.SIGTERM)
+    if os.getppid() != int(expected) and os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class StopSignals:
@@ -166,7 +184,7 @@ def socket_inodes(pid: int) -> set[str]:
 
 def become_subreaper() -> None:
     """Orphaned descendants (a p2pd whose DHT parent was killed) get re-parented to us, so we can reap them."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def _reap(pid: int) -> None:
@@ -265,9 +283,12 @@ class Supervisor:
         # stdout to a file, not a pipe: a child never blocks on a full pipe nobody reads.
         # Own session: our signals reach its whole group, a terminal's Ctrl+C does not (we decide how to stop).
         # SIGTERM when we die, even by SIGKILL: the child then shuts down cleanly instead of running on orphaned.
+        # The death signal is tied to the thread that forks: start children from a thread that lives as long as
+        # the supervisor (the main thread). The child asks for it itself (die_with_supervisor).
+        env = {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
         with open(log_path, "ab") as err, open(stdout_path, "wb") as out:
             popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd,
-                                     start_new_session=True, preexec_fn=_term_with_parent)
+                                     start_new_session=True)
         child = Child(name, popen, log_path, stdout_path)
         with self._lock:
             self.children[name] = child
@@ -447,12 +468,6 @@ class Supervisor:
             except FileNotFoundError:
                 pass
         return left
-
-
-def _term_with_parent() -> None:
-    # Runs in the forked child before exec. The death signal is tied to the thread that forked it: start children
-    # from a thread that lives as long as the supervisor (the main thread).
-    set_pdeathsig(signal.SIGTERM)
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -32,3 +32,23 @@ def test_figures():
     assert {(r["name"], r["became"]) for r in res["restarts"]} == {("p2#2", "resumed"), ("j1", "re-joined")}
     table = format_table(res)
     assert "| exchanges past their deadline | 1" in table and "+2.0 %" in table
+
+
+def test_an_exchange_in_flight_while_its_own_process_was_stopped_is_not_past_its_deadline():
+    """The soak's SIGSTOP freezes a peer's whole tree for stop_s; an exchange it had begun ends stop_s later by its
+    own clock. That is the fault, reported apart; a late exchange of a peer that was not stopped still counts."""
+    t0 = 1000.0
+    stopped = Incarnation("p4", "p4", t0, "initial")
+    stopped.rounds = [{"time": t0 + 120.1, "exchange_s": 20.1, "attempts": 1, "outcome": "timeout", "loss": 3.0}]
+    other = Incarnation("p5", "p5", t0, "initial")
+    other.rounds = [{"time": t0 + 121.0, "exchange_s": 5.0, "attempts": 1, "outcome": "timeout", "loss": 3.0}]
+    faults = [{"time": t0 + 100.0, "kind": "sigstop", "peer": "p4"}]
+    res = analyse([stopped, other], t0=t0, t1=t0 + 600, exchange_timeout_s=2.5, grace_s=0.5, leftovers={},
+                  faults=faults, stop_s=20.0)
+    assert res["past_deadline"] == 1 and res["past_deadline_worst_s"] == 5.0
+    assert res["past_deadline_while_stopped"] == 1 and res["past_deadline_while_stopped_worst_s"] == 20.1
+    # the same late exchange long after the stop ended counts
+    stopped.rounds[0]["time"] = t0 + 300.0
+    res = analyse([stopped], t0=t0, t1=t0 + 600, exchange_timeout_s=2.5, grace_s=0.5, leftovers={},
+                  faults=faults, stop_s=20.0)
+    assert res["past_deadline"] == 1 and res["past_deadline_while_stopped"] == 0

@@ -66,9 +66,8 @@ def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
 
 def die_with_supervisor() -> None:
     """In a child of Supervisor.start, first thing after exec: SIGTERM when the supervisor's starting thread exits.
-    Asked by the child, not in a preexec_fn: Python code between fork and exec in a multi-threaded parent can
-    deadlock (a soak run's restarted peer hung there, never exec'd, and with the parent's Python SIGTERM handler
-    inherited it ignored SIGTERM until SIGKILL). Our parent may be a wrapper that exec'd us (`ip netns exec`) or
+    Asked by the child, not in a preexec_fn: Python code between fork and exec in a multi-threaded parent (the
+    soak bench, `gasloc swarm`) can deadlock, and without one subprocess may use vfork. Our parent may be a wrapper that exec'd us (`ip netns exec`) or
     forked us; reparented to init means the supervisor died before we asked: stop now."""
     expected = os.environ.pop(PARENT_ENV, None)
     if not expected:

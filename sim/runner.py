@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from gasloc.peer.train.data import build_data, evaluate
+from gasloc.peer.train.data import BLOCK_TOKENS, build_data, evaluate
 from gasloc.peer.train.inner import inner_step, make_inner_optimizer, steps_this_round
 from gasloc.peer.train.model import build_model
 from gasloc.peer.train.outer import make_outer
@@ -34,13 +34,30 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int, int, float, float | None], None]
 
 
+def worker_data(cfg: SimConfig) -> list:
+    """Worker i's data: shard i of K, disjoint from the others' - while the corpus has a block for each worker.
+    Beyond that (the embedded corpus has ~220 blocks of BLOCK_TOKENS; the scale suite runs 1,000 workers) worker i
+    reads shard i mod S of S = the number of blocks, with its own sampling stream, so workers that share a shard
+    draw different windows from it."""
+    probe = build_data(cfg.data, cfg.model.seq_len)[0]
+    blocks = max(len(getattr(probe, "train_tokens", ())) // BLOCK_TOKENS, 1)
+    shards = cfg.workers if not hasattr(probe, "train_tokens") else min(cfg.workers, blocks)
+    out = []
+    for i in range(cfg.workers):
+        d = build_data(cfg.data.model_copy(update={"shard_index": i % shards, "num_shards": shards}),
+                       cfg.model.seq_len)[0]
+        if i >= shards:  # a second reader of the shard: its own windows (the first keeps the shard's stream)
+            d.train.stream = f"{d.train.stream}-reader-{i // shards}"
+        out.append(d)
+    return out
+
+
 class SimTrainer:
     """The tensor side of the engine's Trainer protocol: K models, optimizers, shards and outer updates."""
 
     def __init__(self, cfg: SimConfig):
         self.cfg, k = cfg, cfg.workers
-        data = [build_data(cfg.data.model_copy(update={"shard_index": i, "num_shards": k}), cfg.model.seq_len)[0]
-                for i in range(k)]
+        data = worker_data(cfg)
         vocab = build_data(cfg.data, cfg.model.seq_len)[1].vocab_size
         # every worker starts from the same weights, as DiLoCo and a swarm joining from one checkpoint do
         self.models = [build_model(cfg.model, vocab, seed=cfg.seed) for _ in range(k)]
@@ -64,6 +81,9 @@ class SimTrainer:
         return sum(p.numel() for p in self.params[0])
 
     # ---- Trainer protocol (sim/engine.py)
+    def plan(self, i: int, steps: int) -> None:
+        pass  # each worker's steps run when its phase ends (inner)
+
     def inner(self, i: int, steps: int) -> None:
         for _ in range(steps):
             inner_step(self.models[i], self.opts[i], self.data[i].next_batch(), self.steps[i], self.cfg.inner)
@@ -191,7 +211,11 @@ def run(cfg: SimConfig, progress: Progress | None = None) -> dict:
 def _run(cfg: SimConfig, progress: Progress | None) -> dict:
     k = cfg.workers
     links = build_links(cfg.clock.profile, k, cfg.clock.base_link())
-    trainer = SimTrainer(cfg)
+    if cfg.batched:
+        from gasloc.sim.batched import BatchedTrainer
+        trainer: SimTrainer = BatchedTrainer(cfg)
+    else:
+        trainer = SimTrainer(cfg)
     scale = cfg.clock.nominal_params / trainer.num_params if cfg.clock.nominal_params else 1.0
     edges = graph_edges(cfg.topology, k)
     weights = bandwidth_weights(k, [x.bandwidth_bps for x in links], edges) if cfg.bandwidth_weighted else None
@@ -261,7 +285,16 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
         "idle_s_per_worker": [w.idle_s for w in ws],
         "search": engine.stats if isinstance(engine, LiveEngine) else None,  # calls, busy, paired/solo rounds
         "pairs_by_links": _pairs_by_links(engine),
+        # batched: how many workers' inner phases ran per batch (mean, max), i.e. how much the batching bought
+        "batching": _batching(trainer),
     }
+
+
+def _batching(trainer) -> dict | None:
+    sizes = getattr(trainer, "batch_sizes", None)
+    if not sizes:
+        return None
+    return {"phases": len(sizes), "mean_workers": sum(sizes) / len(sizes), "max_workers": max(sizes)}
 
 
 def _pairs_by_links(engine) -> dict[str, int] | None:

@@ -32,6 +32,7 @@ from gasloc.protocol.guard import DistanceHistory
 from gasloc.sim.runner import SimTrainer, worker_data
 
 EVAL_CHUNK = 256  # workers per vmapped evaluation forward: bounds the logits' memory (chunk x B x T x vocab)
+TRAIN_CHUNK = 256  # workers per vmapped forward/backward: bounds the activations kept for the backward pass
 
 
 class BatchedTrainer(SimTrainer):
@@ -113,13 +114,16 @@ class BatchedTrainer(SimTrainer):
         step_fn = vmap(grad_and_value(self._loss))
         for _ in range(steps):
             batch = torch.stack([self.data[i].next_batch() for i in ws])
+            parts = []
             with torch.enable_grad():
-                grads, loss = step_fn(tuple(p), batch)
-            bad = [(ws[n], float(x)) for n, x in enumerate(loss) if not math.isfinite(float(x))]
-            if bad:
+                for lo in range(0, len(ws), TRAIN_CHUNK):
+                    parts.append(step_fn(tuple(x[lo:lo + TRAIN_CHUNK] for x in p), batch[lo:lo + TRAIN_CHUNK]))
+            grads = [torch.cat(gs) for gs in zip(*(g for g, _ in parts))] if len(parts) > 1 else list(parts[0][0])
+            loss = torch.cat([x for _, x in parts])
+            if not bool(torch.isfinite(loss).all()):
+                bad = [(ws[n], float(x)) for n, x in enumerate(loss) if not math.isfinite(float(x))]
                 raise FloatingPointError(f"training loss became {bad[0][1]} at inner step {self.steps[bad[0][0]]} "
                                          f"of worker {bad[0][0]}: lower inner.lr")
-            grads = list(grads)
             if c.grad_clip is not None:  # torch.nn.utils.clip_grad_norm_, per worker
                 norm = torch.stack([g.pow(2).flatten(1).sum(1) for g in grads]).sum(0).sqrt()
                 scale = (c.grad_clip / (norm + 1e-6)).clamp(max=1.0)

@@ -74,7 +74,7 @@ def _opt(*names, **kw):
 @_opt("--bandwidth-profile", help="uniform | half-slow-10x | half-slow-compute-2x | log-uniform-3-300 | hetero-bench | a "
       "TOML/JSON file.")
 @_opt("--model", "preset", help="Model preset. [default: tiny]")
-@_opt("--outer-lr", type=float, help="Outer lr eta. [default: gasloc from H (0.9 for H <= 4, else 0.7); diloco, "
+@_opt("--outer-lr", type=float, help="Outer lr eta. [default: gasloc from H (1.0 for H <= 4, else 0.7); diloco, "
       "noloco 0.7; gossip 1]")
 @_opt("--momentum", type=float, help="Outer momentum gamma (NoLoCo: beta). [default: gasloc from H (0.1 for "
       "H <= 4, else 0.7); diloco 0.9; noloco 0.5]")

@@ -29,7 +29,7 @@ from gasloc.peer.train.inner import lr_at
 from gasloc.peer.train.model import build_model
 from gasloc.peer.train.outer import make_outer
 from gasloc.protocol.guard import DistanceHistory
-from gasloc.sim.runner import SimTrainer, worker_data
+from gasloc.sim.trainer import SimTrainer, worker_data
 
 EVAL_CHUNK = 256  # workers per vmapped evaluation forward: bounds the logits' memory (chunk x B x T x vocab)
 TRAIN_CHUNK = 256  # workers per vmapped forward/backward: bounds the activations kept for the backward pass

@@ -3,7 +3,8 @@ import pytest
 
 from gasloc.runtime.config import ConfigError, resolve
 from gasloc.sim.config import SimConfig
-from gasloc.sim.runner import run, worker_data
+from gasloc.sim.runner import run
+from gasloc.sim.trainer import worker_data
 
 MICRO = {"workers": 6, "rounds": 4, "eval_every": 2, "model.preset": "micro", "model.seq_len": 32,
          "data.batch_size": 2, "data.val_batches": 1, "inner.inner_steps": 3, "inner.warmup_steps": 4,

@@ -74,7 +74,7 @@ def _opt(*names, **kw):
 @_opt("--bandwidth-profile", help="uniform | half-slow-10x | half-slow-compute-2x | log-uniform-3-300 | hetero-bench | a "
       "TOML/JSON file.")
 @_opt("--model", "preset", help="Model preset. [default: tiny]")
-@_opt("--outer-lr", type=float, help="Outer lr eta. [default: gasloc from H (0.9 for H <= 4, else 0.7); diloco, "
+@_opt("--outer-lr", type=float, help="Outer lr eta. [default: gasloc from H (1.0 for H <= 4, else 0.7); diloco, "
       "noloco 0.7; gossip 1]")
 @_opt("--momentum", type=float, help="Outer momentum gamma (NoLoCo: beta). [default: gasloc from H (0.1 for "
       "H <= 4, else 0.7); diloco 0.9; noloco 0.5]")
@@ -90,6 +90,9 @@ def _opt(*names, **kw):
               help="Favour pairs on fast links. [default: off]")
 @click.option("--guard/--no-guard", default=None,
               help="Robust mixing (guard.enabled): clip or reject far partners, as a live peer does. [default: on]")
+@click.option("--batched/--no-batched", default=None,
+              help="Batch the workers' inner steps (stacked models, vmap): same maths, faster for many small "
+              "workers. [default: off]")
 @click.option("--overlap/--no-overlap", default=None,
               help="One-round-delayed mixing: the exchange runs during the next round's inner steps. [default: off]")
 @_opt("--inner-lr", type=float, help="AdamW lr. [default: 1e-3]")
@@ -158,11 +161,12 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
 
 @sim.command()
 @click.option("--suite", type=click.Choice(("paper", "smoke", "overlap", "overlap-smoke", "hetero", "hetero-smoke",
-                                            "scale", "scale-smoke")),
+                                            "scale", "scale-smoke", "tune-h1", "tune-h1-smoke")),
               default="paper", show_default=True, help="paper: the paper's claims at 8 workers (~10 min on 2 "
               "cores); overlap: delayed mixing against plain mixing (~5 min); hetero: bench/hetero.py's setup, the "
               "simulator's time ratios beside the bench's (~5 min); scale: GASLoC against DiLoCo at 8-1,000 "
-              "workers of the micro preset, uniform and log-uniform 3-300 Mbit links; *-smoke: a seconds-long "
+              "workers of the micro preset, uniform and log-uniform 3-300 Mbit links; tune-h1: the H = 1 sweep "
+              "behind GASLoC's H-aware outer defaults (~5 min); *-smoke: a seconds-long "
               "check of the same.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every run here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,

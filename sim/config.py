@@ -94,6 +94,9 @@ class SimConfig(BaseModel):
     target_val_loss: float | None = Field(None, gt=0, description="also stop at the first evaluation whose mean "
                                           "validation loss is at or below this")
     threads: int = Field(1, ge=1, le=64, description="torch CPU threads")
+    batched: bool = Field(False, description="run the workers' inner steps batched (stacked models, one vmapped "
+                          "step for every worker whose phase has started; sim/batched.py): the same maths, many "
+                          "times faster for small models and many workers; schedules live and lockstep, no overlap")
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(seq_len=64))
     data: DataConfig = Field(default_factory=lambda: DataConfig(batch_size=4, val_batches=2))
     inner: InnerConfig = Field(default_factory=InnerConfig)
@@ -114,6 +117,9 @@ class SimConfig(BaseModel):
         if self.outer.overlap and self.schedule != "lockstep":
             raise ValueError("outer.overlap is simulated on the lockstep schedule only; use --schedule lockstep or "
                              "drop --overlap")
+        if self.batched and (self.outer.overlap or self.schedule == "async"):
+            raise ValueError("batched inner steps are simulated on schedules live and lockstep without overlap; "
+                             "drop --batched, --overlap or --schedule async")
         if self.schedule == "live" and self.num_partners != 1 and not self.barrier:
             raise ValueError("schedule live runs the live peer's search, which finds one partner per round; use "
                              "--num-partners 1 or --schedule lockstep")

@@ -36,8 +36,12 @@ SAME_TIME_S = 1e-9  # events closer than this are simultaneous (equal float sums
 
 
 class Trainer(Protocol):
+    def plan(self, i: int, steps: int) -> None:
+        """Worker i starts an inner phase of `steps` steps now (the live and lock-step schedules announce it, so a
+        batched trainer may run many workers' phases at once; sim/batched.py)."""
+
     def inner(self, i: int, steps: int) -> None:
-        """Run `steps` inner steps of worker i."""
+        """Worker i's inner phase of `steps` steps ends now: run it (or it has already run, batched)."""
 
     def send(self, i: int) -> int:
         """Prepare worker i's outgoing tensors (outer.outgoing); return how many numbers they hold."""

@@ -67,12 +67,17 @@ class LiveEngine(Engine):
         self.search_start = [0.0] * self.k
         self.exchange_start = [0.0] * self.k
         self.events: list[tuple[float, int, str, int, int]] = []
+        self.rounds_done = 0  # = sum of the workers' rounds, kept as a count: the runner reads it after every event
         self.seq = itertools.count()
         # what the search did, over the whole run (reported in the result)
         self.stats = {"paired_rounds": 0, "solo_rounds": 0, "calls": 0, "busy": 0, "declined": 0, "timeouts": 0,
                       "passed_over": 0}
         # completed exchanges by the two partners' link bandwidths (bits/s, slower first)
         self.pairs: collections.Counter[tuple[float, float]] = collections.Counter()
+
+    @property
+    def total_rounds(self) -> int:
+        return self.rounds_done
 
     # ---- events
     def _at(self, t: float, kind: str, i: int, j: int = -1) -> None:
@@ -81,9 +86,10 @@ class LiveEngine(Engine):
     def _latency(self, i: int, j: int) -> float:
         return self.links[i].latency_s + self.links[j].latency_s
 
-    def _start_compute(self, i: int, t: float) -> None:
+    def _start_compute(self, trainer: Trainer, i: int, t: float) -> None:
         w = self.workers[i]
         self.state[i], w.planned_steps = COMPUTE, self.steps_for(i)
+        trainer.plan(i, w.planned_steps)
         self.ready_at[i] = t + w.planned_steps * self.links[i].seconds_per_step
         self._at(self.ready_at[i], "computed", i)
 
@@ -99,7 +105,7 @@ class LiveEngine(Engine):
         """Process events in virtual-time order, yielding after each; ends before an event later than
         `horizon_s`. The caller stops iterating when its own stop condition holds."""
         for i in range(self.k):
-            self._start_compute(i, 0.0)
+            self._start_compute(trainer, i, 0.0)
         while self.events:
             t, _, kind, i, j = heapq.heappop(self.events)
             if t > horizon_s:
@@ -215,5 +221,6 @@ class LiveEngine(Engine):
         self.searches[i] = None
         trainer.apply(i)
         w.rounds += 1
+        self.rounds_done += 1
         self.partner[i] = None
-        self._start_compute(i, t)
+        self._start_compute(trainer, i, t)

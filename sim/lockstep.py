@@ -39,8 +39,11 @@ class LockstepEngine(Engine):
     def run(self, trainer: Trainer, horizon_s: float = math.inf) -> Iterator[float]:
         """Rounds until the caller stops iterating, or until a round ends past `horizon_s` (that round included)."""
         while self.now <= horizon_s:
+            planned = [self.steps_for(i) for i in range(self.k)]
+            for i, steps in enumerate(planned):
+                trainer.plan(i, steps)
             for i, w in enumerate(self.workers):
-                steps = self.steps_for(i)
+                steps = planned[i]
                 spt = self.links[i].seconds_per_step
                 if self.overlap:  # the previous mix is added after the inner step during which it arrived
                     before = min(steps, max(0, math.ceil((self.exchange_end[i] - self.clocks[i]) / spt - 1e-9)))

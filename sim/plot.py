@@ -98,14 +98,18 @@ def plot_scale(report: dict, path: str) -> None:
                 r = runs.get(f"k{k}-{prof}-{algo}")
                 if r is None:
                     continue
-                t = [e["sim_time_s"] / 60 for e in r["evals"]]
+                # log time axis (GASLoC's runs end in seconds, DiLoCo's 1,000-worker all-reduce takes minutes), so
+                # the evaluation at t = 0 is left out
+                evals = [e for e in r["evals"] if e["sim_time_s"] > 0]
+                t = [e["sim_time_s"] for e in evals]
                 label = f"{algo}, K={k}"
-                axes[0, col].plot(t, [e["val_loss_mean"] for e in r["evals"]], style, color=color, label=label)
+                axes[0, col].plot(t, [e["val_loss_mean"] for e in evals], style, color=color, label=label)
                 if algo == "gasloc":
-                    axes[1, col].plot(t, [e["consensus"] for e in r["evals"]], style, color=color, label=label)
-        axes[0, col].set(title=f"{prof}: val loss, mean over workers", xlabel="simulated wall-clock (min)")
-        axes[1, col].set(title=f"{prof}: GASLoC's consensus distance", xlabel="simulated wall-clock (min)",
-                         yscale="log")
+                    axes[1, col].plot(t, [e["consensus"] for e in evals], style, color=color, label=label)
+        axes[0, col].set(title=f"{prof}: val loss, mean over workers", xlabel="simulated wall-clock (s)",
+                         xscale="log")
+        axes[1, col].set(title=f"{prof}: GASLoC's consensus distance", xlabel="simulated wall-clock (s)",
+                         xscale="log", yscale="log")
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)

@@ -8,165 +8,27 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from gasloc.peer.train.data import build_data, evaluate
-from gasloc.peer.train.inner import inner_step, make_inner_optimizer, steps_this_round
-from gasloc.peer.train.model import build_model
-from gasloc.peer.train.outer import make_outer
-from gasloc.protocol.averaging import exact_mean, mix
-from gasloc.protocol.guard import DistanceHistory, Verdict, clip_toward, relative_distance
+from gasloc.peer.train.inner import steps_this_round
 from gasloc.protocol.matching import bandwidth_weights, graph_edges
 from gasloc.protocol.partners import Backoff
 from gasloc.protocol.search import SearchRules
+from gasloc.sim.batched import BatchedTrainer
 from gasloc.sim.clock import build_links
 from gasloc.sim.config import SimConfig
 from gasloc.sim.engine import AsyncEngine
 from gasloc.sim.live import LiveEngine
 from gasloc.sim.lockstep import LockstepEngine
+from gasloc.sim.trainer import SimTrainer
 
 log = logging.getLogger(__name__)
 
 # progress(done worker-rounds, total worker-rounds, virtual seconds, last mean val loss or None)
 Progress = Callable[[int, int, float, float | None], None]
-
-
-class SimTrainer:
-    """The tensor side of the engine's Trainer protocol: K models, optimizers, shards and outer updates."""
-
-    def __init__(self, cfg: SimConfig):
-        self.cfg, k = cfg, cfg.workers
-        data = [build_data(cfg.data.model_copy(update={"shard_index": i, "num_shards": k}), cfg.model.seq_len)[0]
-                for i in range(k)]
-        vocab = build_data(cfg.data, cfg.model.seq_len)[1].vocab_size
-        # every worker starts from the same weights, as DiLoCo and a swarm joining from one checkpoint do
-        self.models = [build_model(cfg.model, vocab, seed=cfg.seed) for _ in range(k)]
-        self.eval_model = build_model(cfg.model, vocab, seed=cfg.seed)
-        self.params = [list(m.parameters()) for m in self.models]
-        self.opts = [make_inner_optimizer(m, cfg.inner) for m in self.models]
-        self.outers = [make_outer(cfg.outer, p) for p in self.params]
-        self.data = data
-        self.val = data[0].val_batches()
-        self.steps = [0] * k
-        self.sent: list[list[torch.Tensor] | None] = [None] * k
-        self.mixed: list[list[torch.Tensor] | None] = [None] * k
-        self.weight = cfg.outer.mix_weight
-        self.overlap = cfg.outer.overlap
-        self.late: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None] = [None] * k  # overlap: (sent, mixed)
-        self.guards = [DistanceHistory(cfg.guard) for _ in range(k)]
-        self.guard_counts = {"accept": 0, "check": 0, "clip": 0, "reject": 0}
-
-    @property
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.params[0])
-
-    # ---- Trainer protocol (sim/engine.py)
-    def inner(self, i: int, steps: int) -> None:
-        for _ in range(steps):
-            inner_step(self.models[i], self.opts[i], self.data[i].next_batch(), self.steps[i], self.cfg.inner)
-            self.steps[i] += 1
-
-    def arrive(self, i: int) -> None:
-        if self.late[i] is not None:  # overlap: the previous round's mix, added where it arrived
-            self.outers[i].late_mix(self.params[i], *self.late[i])
-            self.late[i] = None
-
-    def send(self, i: int) -> int:
-        self.arrive(i)  # a mix that has not arrived yet is waited for (the engine's clock charges the wait)
-        self.sent[i] = self.outers[i].outgoing(self.params[i])
-        return sum(t.numel() for t in self.sent[i])
-
-    def mix_round(self, partners: Mapping[int, list[int]]) -> None:
-        """Edge weights are symmetric (w_ij = w_ji), so every round keeps the swarm mean: the configured weight,
-        else the Metropolis weight 1/(1 + max(deg_i, deg_j)) - 1/2 for a plain pair (the pair mean), 1/3 where
-        either side has two partners this round."""
-        degree = {i: len(ps) for i, ps in partners.items()}
-        for i, ps in partners.items():
-            own = self.sent[i]
-            theirs = {j: self.sent[j] for j in ps}
-            if self.cfg.guard.enabled:  # each worker judges what it received, as a live peer does
-                theirs = self._guarded(i, theirs)
-            groups: dict[float, list[int]] = {}
-            for j in theirs:
-                w = self.weight if self.weight is not None else 1 / (1 + max(degree[i], degree[j]))
-                groups.setdefault(w, []).append(j)
-            if not groups:
-                self.mixed[i] = own
-                continue
-            # z = own + sum_j w_j (x_j - own), one protocol.mix call per distinct weight
-            parts = [mix(own, [theirs[j] for j in js], w) for w, js in groups.items()]
-            for extra in parts[1:]:
-                torch._foreach_add_(parts[0], torch._foreach_sub(extra, own))
-            self.mixed[i] = parts[0]
-
-    def _guarded(self, i: int, theirs: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-        """Worker i's partners' tensors after its guard (protocol/guard.py): clipped toward its own, or left out."""
-        own, out = self.sent[i], {}
-        for j, t in theirs.items():
-            v = self.guards[i].judge(relative_distance(own, t))
-            if v.action == "check":
-                if len(t) == len(self.params[i]):
-                    v = self.guards[i].after_check(v, self._loss_at(own), self._loss_at(t))
-                else:  # NoLoCo's tensors are no model
-                    v = Verdict("clip", v.distance, v.tau, v.scale)
-            self.guards[i].record(v)
-            self.guard_counts[v.action] += 1
-            if not v.rejected:
-                out[j] = clip_toward(own, t, v.scale)
-        return out
-
-    @torch.no_grad()
-    def _loss_at(self, point: list[torch.Tensor]) -> float:
-        """Loss of `point` on one validation batch (the guard's check of a suspicious partner)."""
-        for dst, src in zip(self.eval_model.parameters(), point):
-            dst.copy_(src)
-        return evaluate(self.eval_model, self.val[:1])
-
-    def allreduce(self, workers: list[int]) -> None:
-        if self.weight is None:  # the exact mean, computed once (every update reads `mixed` without writing it)
-            mean = exact_mean([self.sent[j] for j in workers])
-            for i in workers:
-                self.mixed[i] = mean
-        else:
-            for i in workers:
-                self.mixed[i] = mix(self.sent[i], [self.sent[j] for j in workers if j != i], self.weight)
-
-    def apply(self, i: int) -> None:
-        if self.overlap:  # solo now; the mix is added where it lands in the next inner phase (arrive)
-            self.outers[i].apply(self.params[i], self.sent[i])
-            if self.mixed[i] is not self.sent[i]:
-                self.late[i] = (self.sent[i], self.mixed[i])
-        else:
-            self.outers[i].apply(self.params[i], self.mixed[i])
-        self.sent[i] = self.mixed[i] = None
-
-    # ---- measurement
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Overlap: each worker is read with its in-flight mix added (the model it checkpoints at shutdown), not at
-        the provisional point it trains from meanwhile."""
-        saved = {i: [p.clone() for p in self.params[i]] for i, late in enumerate(self.late) if late is not None}
-        for i in saved:
-            torch._foreach_add_(self.params[i], self.outers[i].late_shift(*self.late[i]))
-        try:
-            return self._evaluate()
-        finally:
-            for i, copy in saved.items():
-                torch._foreach_copy_(self.params[i], copy)
-
-    def _evaluate(self) -> dict:
-        losses = [evaluate(m, self.val) for m in self.models]
-        mean = exact_mean(self.params)
-        for dst, src in zip(self.eval_model.parameters(), mean):
-            dst.copy_(src)
-        mean_norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in mean))
-        dists = [math.sqrt(sum(float((p - q).double().pow(2).sum()) for p, q in zip(ps, mean)))
-                 for ps in self.params]
-        return {"val_loss_mean": sum(losses) / len(losses), "val_loss_avg_model": evaluate(self.eval_model, self.val),
-                "consensus": sum(dists) / len(dists) / mean_norm, "val_loss_workers": losses}
 
 
 def _seed_everything(seed: int) -> None:
@@ -191,7 +53,10 @@ def run(cfg: SimConfig, progress: Progress | None = None) -> dict:
 def _run(cfg: SimConfig, progress: Progress | None) -> dict:
     k = cfg.workers
     links = build_links(cfg.clock.profile, k, cfg.clock.base_link())
-    trainer = SimTrainer(cfg)
+    if cfg.batched:
+        trainer: SimTrainer = BatchedTrainer(cfg)
+    else:
+        trainer = SimTrainer(cfg)
     scale = cfg.clock.nominal_params / trainer.num_params if cfg.clock.nominal_params else 1.0
     edges = graph_edges(cfg.topology, k)
     weights = bandwidth_weights(k, [x.bandwidth_bps for x in links], edges) if cfg.bandwidth_weighted else None
@@ -261,7 +126,16 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
         "idle_s_per_worker": [w.idle_s for w in ws],
         "search": engine.stats if isinstance(engine, LiveEngine) else None,  # calls, busy, paired/solo rounds
         "pairs_by_links": _pairs_by_links(engine),
+        # batched: how many workers' inner phases ran per batch (mean, max), i.e. how much the batching bought
+        "batching": _batching(trainer),
     }
+
+
+def _batching(trainer) -> dict | None:
+    sizes = getattr(trainer, "batch_sizes", None)
+    if not sizes:
+        return None
+    return {"phases": len(sizes), "mean_workers": sum(sizes) / len(sizes), "max_workers": max(sizes)}
 
 
 def _pairs_by_links(engine) -> dict[str, int] | None:

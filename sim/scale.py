@@ -51,11 +51,12 @@ def scale_suite(name: str, *, sizes: tuple[int, ...], base: dict, notes: list[st
     return Suite(name, base, runs, claims, notes)
 
 
-# micro preset, H = 5; the clock charges a 5M-parameter model in fp16 (10 MB: 0.08 s at 1 Gbit, 27 s at 3 Mbit), so
+# micro preset, H = 5, inner steps batched across workers (sim/batched.py: without it 1,000 workers take ~7 min of
+# per-step overhead alone); the clock charges a 5M-parameter model in fp16 (10 MB: 0.08 s at 1 Gbit, 27 s at 3 Mbit), so
 # that a slow link still finishes an exchange within the live peer's 30 s timeout
 SCALE_BASE = {"model.preset": "micro", "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
               "inner.inner_steps": 5, "inner.warmup_steps": 10, "inner.lr": 3e-3, "rounds": 20, "eval_every": 2,
-              "clock.nominal_params": 5_000_000}
+              "clock.nominal_params": 5_000_000, "batched": True}
 
 SCALE_SUITES: dict[str, Suite] = {
     "scale": scale_suite("scale", sizes=(8, 64, 256, 1000), base=SCALE_BASE,

@@ -245,6 +245,20 @@ def hetero_suite(name: str, *, base: dict, seeds: list[int], notes: list[str]) -
     return Suite(name, base, runs, claims, notes)
 
 
+def h1_tuning_suite(name: str, *, workers: int, base: dict, a: dict, settings: list[tuple[float, float]],
+                    notes: list[str]) -> Suite:
+    """The source of outer.H_DEFAULTS' H <= 4 row: GASLoC's (gamma, eta) at H = 1 against gossip-AdamW, on ring
+    and on random, each run as the paper suite's claim (a) runs it. No claims: the table is the result."""
+    runs = []
+    a = {"workers": workers, "inner.inner_steps": 1, **a}
+    for topo in ("ring", "random"):
+        runs.append(RunSpec(f"{topo}-gossip", {**a, "topology": topo, "outer.algorithm": "gossip"}))
+        runs += [RunSpec(f"{topo}-g{g:g}-e{e:g}", {**a, "topology": topo, "outer.algorithm": "gasloc",
+                                                   "outer.momentum": g, "outer.outer_lr": e})
+                 for g, e in settings]
+    return Suite(name, base, runs, [], notes)
+
+
 # ---- running --------------------------------------------------------------------------------------------------
 
 def _config(suite: Suite, spec: RunSpec, extra: dict | None = None):
@@ -253,11 +267,15 @@ def _config(suite: Suite, spec: RunSpec, extra: dict | None = None):
 
 
 def _timed_run(cfg) -> tuple[Result, dict]:
-    """A run and what it cost on this machine (kept apart from the result, which must be deterministic)."""
+    """A run and what it cost on this machine (kept apart from the result, which must be deterministic).
+    peak_rss_mb is the process's peak so far: a run's own where it is the largest the process has run yet."""
+    import resource
+
     from gasloc.sim.runner import run
     wall, cpu = time.perf_counter(), time.process_time()
     result = run(cfg)
-    return result, {"wall_s": round(time.perf_counter() - wall, 1), "cpu_s": round(time.process_time() - cpu, 1)}
+    return result, {"wall_s": round(time.perf_counter() - wall, 1), "cpu_s": round(time.process_time() - cpu, 1),
+                    "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
 
 
 def _run_child(cfg_json: dict) -> tuple[Result, dict]:
@@ -394,6 +412,17 @@ SUITES: dict[str, Suite] = {
         c={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1},
         c_gasloc={"bandwidth_weighted": True, "search.slower_link_ratio": 3.0},
         notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),
+    # the H = 1 sweep behind outer.H_DEFAULTS (docs/sim-results.md): claim (a)'s runs at half its rounds
+    "tune-h1": h1_tuning_suite(
+        "tune-h1", workers=8, base=PAPER_BASE, a={"rounds": 75, "eval_every": 25, "inner.lr": 4e-3},
+        settings=[(0.1, 0.9), (0.1, 1.0), (0.05, 0.95), (0.2, 0.8), (0.2, 0.9)],
+        notes=["claim (a)'s setup (8 workers, tiny preset, H = 1, inner lr 4e-3, schedule live) at 75 rounds: "
+               "GASLoC's (gamma, eta) against gossip-AdamW on ring and random"]),
+    "tune-h1-smoke": h1_tuning_suite(
+        "tune-h1-smoke", workers=4, base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2,
+                                          "data.val_batches": 1, "inner.warmup_steps": 2},
+        a={"rounds": 3, "eval_every": 1}, settings=[(0.1, 0.9)],
+        notes=["a plumbing check at toy size; its numbers say nothing"]),
     "hetero": hetero_suite(
         "hetero", base=HETERO_BASE, seeds=[0, 1, 2],
         notes=["bench/hetero.py's setup on the simulator: 6 workers, 30 vs 3 Mbit, tiny preset, fp32 on the wire, "

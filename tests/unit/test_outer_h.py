@@ -9,7 +9,7 @@ from gasloc.sim.cli import sim
 from gasloc.sim.config import SimConfig
 
 
-@pytest.mark.parametrize("h,gamma,eta", [(1, 0.1, 0.9), (4, 0.1, 0.9), (5, 0.7, 0.7), (20, 0.7, 0.7),
+@pytest.mark.parametrize("h,gamma,eta", [(1, 0.1, 1.0), (4, 0.1, 1.0), (5, 0.7, 0.7), (20, 0.7, 0.7),
                                          (500, 0.7, 0.7)])
 def test_gasloc_picks_from_the_table(h, gamma, eta):
     for model in (SimConfig, PeerConfig):
@@ -25,8 +25,8 @@ def test_the_table_covers_every_h_in_order():
 
 def test_what_the_user_sets_is_kept_and_only_the_rest_is_picked():
     c = resolve(SimConfig, flags={"inner.inner_steps": 1, "outer.momentum": 0.5}, environ={})
-    assert (c.outer.gamma, c.outer.eta) == (0.5, 0.9)
-    assert "momentum =" not in c.outer._picked and "outer_lr = 0.9" in c.outer._picked
+    assert (c.outer.gamma, c.outer.eta) == (0.5, 1.0)
+    assert "momentum =" not in c.outer._picked and "outer_lr = 1.0" in c.outer._picked
     both = resolve(SimConfig, flags={"inner.inner_steps": 1, "outer.momentum": 0.5, "outer.outer_lr": 0.6},
                    environ={})
     assert (both.outer.gamma, both.outer.eta) == (0.5, 0.6) and both.outer._picked is None
@@ -44,8 +44,8 @@ def test_print_config_shows_what_was_picked_and_why_and_reads_back_the_same():
     out = CliRunner().invoke(sim, ["--inner-steps", "1", "--print-config"])
     assert out.exit_code == 0, out.output
     outer = out.output.split("[outer]")[1].split("\n\n")[0]
-    assert "# momentum = 0.1 and outer_lr = 0.9 picked for H = 1" in outer and "docs/sim-results.md" in outer
-    assert "momentum = 0.1\n" in outer and "outer_lr = 0.9\n" in outer
+    assert "# momentum = 0.1 and outer_lr = 1.0 picked for H = 1" in outer and "docs/sim-results.md" in outer
+    assert "momentum = 0.1\n" in outer and "outer_lr = 1.0\n" in outer
 
 
 def test_sim_help_says_complete_equals_diloco_at_equal_momentum():

@@ -146,3 +146,22 @@ def test_compare_scale_smoke_suite_reports_consensus_and_paired_share(tmp_path):
         assert "consensus" in c["numbers"] and "% of rounds paired" in c["numbers"]
     assert report["runs"]["k8-uniform-gasloc"]["config"]["model"]["preset"] == "micro"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(180)
+def test_compare_tune_h1_smoke_suite_runs_gossip_beside_each_setting(tmp_path):
+    out = tmp_path / "t.json"
+    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "tune-h1-smoke", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert list(report["runs"]) == ["ring-gossip", "ring-g0.1-e0.9", "random-gossip", "random-g0.1-e0.9"]
+    outer = report["runs"]["ring-g0.1-e0.9"]["config"]["outer"]
+    assert (outer["momentum"], outer["outer_lr"]) == (0.1, 0.9)  # set explicitly by the suite
+    assert report["claims"] == [] and "ring-gossip" in res.output
+    assert report["timing"]["runs"]["ring-gossip"]["peak_rss_mb"] > 0
+
+
+def test_batched_flag_reaches_the_config():
+    res = CliRunner().invoke(cli, ["sim", "--batched", "--print-config"])
+    assert res.exit_code == 0, res.output
+    assert "batched = true" in res.output

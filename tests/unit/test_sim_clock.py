@@ -32,6 +32,9 @@ class FakeTrainer:
     def arrive(self, i):
         self.log.append(("arrive", i, self.engine.now))
 
+    def plan(self, i, steps):
+        pass
+
     def mix_round(self, partners):
         for i, ps in partners.items():
             assert all(i in partners[j] for j in ps)  # symmetric

@@ -48,6 +48,9 @@ class FakeTrainer:
     def arrive(self, i):
         pass
 
+    def plan(self, i, steps):
+        pass
+
 
 DEFAULT_RULES = SearchRules()
 

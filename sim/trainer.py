@@ -1,0 +1,171 @@
+"""The tensor side of a simulated run: K models (or their stacked form, sim/batched.py), each worker's shard,
+AdamW and outer update, behind the engines' Trainer protocol (sim/engine.py)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from gasloc.peer.train.data import BLOCK_TOKENS, build_data, evaluate
+from gasloc.peer.train.inner import inner_step, make_inner_optimizer
+from gasloc.peer.train.model import build_model
+from gasloc.peer.train.outer import make_outer
+from gasloc.protocol.averaging import exact_mean, mix
+from gasloc.protocol.guard import DistanceHistory, Verdict, clip_toward, relative_distance
+from gasloc.sim.config import SimConfig
+
+
+def worker_data(cfg: SimConfig) -> list:
+    """Worker i's data: shard i of K, disjoint from the others' - while the corpus has a block for each worker.
+    Beyond that (the embedded corpus has ~220 blocks of BLOCK_TOKENS; the scale suite runs 1,000 workers) worker i
+    reads shard i mod S of S = the number of blocks, with its own sampling stream, so workers that share a shard
+    draw different windows from it."""
+    probe = build_data(cfg.data, cfg.model.seq_len)[0]
+    blocks = max(len(getattr(probe, "train_tokens", ())) // BLOCK_TOKENS, 1)
+    shards = cfg.workers if not hasattr(probe, "train_tokens") else min(cfg.workers, blocks)
+    out = []
+    for i in range(cfg.workers):
+        d = build_data(cfg.data.model_copy(update={"shard_index": i % shards, "num_shards": shards}),
+                       cfg.model.seq_len)[0]
+        if i >= shards:  # a second reader of the shard: its own windows (the first keeps the shard's stream)
+            d.train.stream = f"{d.train.stream}-reader-{i // shards}"
+        out.append(d)
+    return out
+
+
+class SimTrainer:
+    """The tensor side of the engine's Trainer protocol: K models, optimizers, shards and outer updates."""
+
+    def __init__(self, cfg: SimConfig):
+        self.cfg, k = cfg, cfg.workers
+        data = worker_data(cfg)
+        vocab = build_data(cfg.data, cfg.model.seq_len)[1].vocab_size
+        # every worker starts from the same weights, as DiLoCo and a swarm joining from one checkpoint do
+        self.models = [build_model(cfg.model, vocab, seed=cfg.seed) for _ in range(k)]
+        self.eval_model = build_model(cfg.model, vocab, seed=cfg.seed)
+        self.params = [list(m.parameters()) for m in self.models]
+        self.opts = [make_inner_optimizer(m, cfg.inner) for m in self.models]
+        self.outers = [make_outer(cfg.outer, p) for p in self.params]
+        self.data = data
+        self.val = data[0].val_batches()
+        self.steps = [0] * k
+        self.sent: list[list[torch.Tensor] | None] = [None] * k
+        self.mixed: list[list[torch.Tensor] | None] = [None] * k
+        self.weight = cfg.outer.mix_weight
+        self.overlap = cfg.outer.overlap
+        self.late: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None] = [None] * k  # overlap: (sent, mixed)
+        self.guards = [DistanceHistory(cfg.guard) for _ in range(k)]
+        self.guard_counts = {"accept": 0, "check": 0, "clip": 0, "reject": 0}
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.params[0])
+
+    # ---- Trainer protocol (sim/engine.py)
+    def plan(self, i: int, steps: int) -> None:
+        pass  # each worker's steps run when its phase ends (inner)
+
+    def inner(self, i: int, steps: int) -> None:
+        for _ in range(steps):
+            inner_step(self.models[i], self.opts[i], self.data[i].next_batch(), self.steps[i], self.cfg.inner)
+            self.steps[i] += 1
+
+    def arrive(self, i: int) -> None:
+        if self.late[i] is not None:  # overlap: the previous round's mix, added where it arrived
+            self.outers[i].late_mix(self.params[i], *self.late[i])
+            self.late[i] = None
+
+    def send(self, i: int) -> int:
+        self.arrive(i)  # a mix that has not arrived yet is waited for (the engine's clock charges the wait)
+        self.sent[i] = self.outers[i].outgoing(self.params[i])
+        return sum(t.numel() for t in self.sent[i])
+
+    def mix_round(self, partners: Mapping[int, list[int]]) -> None:
+        """Edge weights are symmetric (w_ij = w_ji), so every round keeps the swarm mean: the configured weight,
+        else the Metropolis weight 1/(1 + max(deg_i, deg_j)) - 1/2 for a plain pair (the pair mean), 1/3 where
+        either side has two partners this round."""
+        degree = {i: len(ps) for i, ps in partners.items()}
+        for i, ps in partners.items():
+            own = self.sent[i]
+            theirs = {j: self.sent[j] for j in ps}
+            if self.cfg.guard.enabled:  # each worker judges what it received, as a live peer does
+                theirs = self._guarded(i, theirs)
+            groups: dict[float, list[int]] = {}
+            for j in theirs:
+                w = self.weight if self.weight is not None else 1 / (1 + max(degree[i], degree[j]))
+                groups.setdefault(w, []).append(j)
+            if not groups:
+                self.mixed[i] = own
+                continue
+            # z = own + sum_j w_j (x_j - own), one protocol.mix call per distinct weight
+            parts = [mix(own, [theirs[j] for j in js], w) for w, js in groups.items()]
+            for extra in parts[1:]:
+                torch._foreach_add_(parts[0], torch._foreach_sub(extra, own))
+            self.mixed[i] = parts[0]
+
+    def _guarded(self, i: int, theirs: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """Worker i's partners' tensors after its guard (protocol/guard.py): clipped toward its own, or left out."""
+        own, out = self.sent[i], {}
+        for j, t in theirs.items():
+            v = self.guards[i].judge(relative_distance(own, t))
+            if v.action == "check":
+                if len(t) == len(self.params[i]):
+                    v = self.guards[i].after_check(v, self._loss_at(own), self._loss_at(t))
+                else:  # NoLoCo's tensors are no model
+                    v = Verdict("clip", v.distance, v.tau, v.scale)
+            self.guards[i].record(v)
+            self.guard_counts[v.action] += 1
+            if not v.rejected:
+                out[j] = clip_toward(own, t, v.scale)
+        return out
+
+    @torch.no_grad()
+    def _loss_at(self, point: list[torch.Tensor]) -> float:
+        """Loss of `point` on one validation batch (the guard's check of a suspicious partner)."""
+        for dst, src in zip(self.eval_model.parameters(), point):
+            dst.copy_(src)
+        return evaluate(self.eval_model, self.val[:1])
+
+    def allreduce(self, workers: list[int]) -> None:
+        if self.weight is None:  # the exact mean, computed once (every update reads `mixed` without writing it)
+            mean = exact_mean([self.sent[j] for j in workers])
+            for i in workers:
+                self.mixed[i] = mean
+        else:
+            for i in workers:
+                self.mixed[i] = mix(self.sent[i], [self.sent[j] for j in workers if j != i], self.weight)
+
+    def apply(self, i: int) -> None:
+        if self.overlap:  # solo now; the mix is added where it lands in the next inner phase (arrive)
+            self.outers[i].apply(self.params[i], self.sent[i])
+            if self.mixed[i] is not self.sent[i]:
+                self.late[i] = (self.sent[i], self.mixed[i])
+        else:
+            self.outers[i].apply(self.params[i], self.mixed[i])
+        self.sent[i] = self.mixed[i] = None
+
+    # ---- measurement
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Overlap: each worker is read with its in-flight mix added (the model it checkpoints at shutdown), not at
+        the provisional point it trains from meanwhile."""
+        saved = {i: [p.clone() for p in self.params[i]] for i, late in enumerate(self.late) if late is not None}
+        for i in saved:
+            torch._foreach_add_(self.params[i], self.outers[i].late_shift(*self.late[i]))
+        try:
+            return self._evaluate()
+        finally:
+            for i, copy in saved.items():
+                torch._foreach_copy_(self.params[i], copy)
+
+    def _evaluate(self) -> dict:
+        losses = [evaluate(m, self.val) for m in self.models]
+        mean = exact_mean(self.params)
+        for dst, src in zip(self.eval_model.parameters(), mean):
+            dst.copy_(src)
+        mean_norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in mean))
+        dists = [math.sqrt(sum(float((p - q).double().pow(2).sum()) for p, q in zip(ps, mean)))
+                 for ps in self.params]
+        return {"val_loss_mean": sum(losses) / len(losses), "val_loss_avg_model": evaluate(self.eval_model, self.val),
+                "consensus": sum(dists) / len(dists) / mean_norm, "val_loss_workers": losses}

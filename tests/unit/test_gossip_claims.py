@@ -22,7 +22,10 @@ class _Net:
         self.live = live
 
     def ready_peers(self):
-        return {p: r for p, r in self.live.items() if r.state == "exchanging"}
+        return {p for p, r in self.live.items() if r.state == "exchanging"}
+
+    def in_sight(self):
+        return set(self.live)   # no peer-exchange hints here: the records are the whole view
 
     def uncallable(self):
         return set()  # everyone is directly reachable here (NAT: protocol/reach.py)

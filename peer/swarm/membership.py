@@ -243,6 +243,7 @@ class BucketReader:
         self.bytes_read = 0
         self.gets = 0
         self.expirations: dict[str, float] = {}   # peer id -> DHT expiration of its entry, as of the last read
+        self.withdrawn: set[str] = set()          # peers whose withdrawal (None) the last read saw
         self._recent: list[int] = []              # buckets of our level read lately: the next listing reads others
 
     async def _get(self, key: str):
@@ -264,12 +265,13 @@ class BucketReader:
         now = get_dht_time()
         out: dict[str, PeerRecord] = {}
         answered = False
+        self.withdrawn = set()
         for (lv, _b), (found, ok) in zip(buckets, results):
             if not ok:
                 continue
             answered = True
             expirations: dict[str, float] = {}
-            records = parse_listing(found, now=now, expirations=expirations)
+            records = parse_listing(found, now=now, expirations=expirations, withdrawn=self.withdrawn)
             self.expirations.update(expirations)
             out.update(records)
             if sample:
@@ -288,9 +290,10 @@ class BucketReader:
         now = get_dht_time()
         out: dict[str, PeerRecord] = {}
         best = 0.0
+        self.withdrawn = set()
         for (lv, _b), (found, ok) in zip(buckets, results):
             expirations: dict[str, float] = {}
-            records = parse_listing(found, now=now, expirations=expirations) if ok else {}
+            records = parse_listing(found, now=now, expirations=expirations, withdrawn=self.withdrawn) if ok else {}
             self.expirations.update(expirations)
             out.update(records)
             best = max(best, len(records) * float(1 << lv))
@@ -300,9 +303,12 @@ class BucketReader:
         log.debug("membership_probe estimate=%.0f level=%d", best, self.level)
         return out
 
-    async def listing(self, count: int = 1) -> dict[str, PeerRecord] | None:
-        """`count` random buckets of our level, others than the last ones read. An empty answer from a level that
-        should hold records (we have seen peers) sends us to `probe`: the swarm shrank, or our level is off."""
+    async def listing(self, count: int | None = None) -> dict[str, PeerRecord] | None:
+        """`count` random buckets of our level (default: one, or both of level 1: a small swarm is read whole),
+        others than the last ones read. An empty answer from a level above 0 sends us to `probe`: the swarm
+        shrank, or our level is off."""
+        if count is None:
+            count = 1 if self.level > 1 else 1 << self.level
         picks = buckets_to_read(self.level, count, self.rng, skip=self._recent)
         self._recent = (self._recent + picks)[-max(1, (1 << self.level) // 2):]
         found = await self.read([(self.level, b) for b in picks])
@@ -409,16 +415,21 @@ class Membership(BucketReader):
         return compatible(records, peer_id=self.peer_id, fingerprint=self.fingerprint, protocol=self.protocol)
 
 
-def parse_listing(found, now: float, expirations: dict[str, float] | None = None) -> dict[str, PeerRecord]:
+def parse_listing(found, now: float, expirations: dict[str, float] | None = None,
+                  withdrawn: set[str] | None = None) -> dict[str, PeerRecord]:
     """peer_id -> record from a DHT `get` result (None, or a dict subkey -> ValueWithExpiration); withdrawn (None),
     expired, malformed entries and entries whose peer_id is not their subkey's owner are dropped. `expirations`,
-    when given, receives each kept peer's DHT expiration.
+    when given, receives each kept peer's DHT expiration; `withdrawn` the peer ids whose entry is a withdrawal.
 
     Each peer id has exactly one possible subkey (its own public key), so no two kept entries can claim one id."""
     out: dict[str, PeerRecord] = {}
     if found is None or not isinstance(found.value, dict):
         return out
     for subkey, entry in found.value.items():
+        if entry.value is None and withdrawn is not None:
+            pid = peer_id_of(subkey)
+            if pid is not None:
+                withdrawn.add(pid)
         if entry.value is None or entry.expiration_time <= now:
             continue
         try:

@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LIST_PERIOD_S = 10.0  # the slow background refresh: one bucket (a search lists more, with backoff: gossip.py)
+LIST_PERIOD_S = 10.0  # the slow background refresh, one bucket (a search lists more, with backoff: gossip.py);
+                      # at most announce_ttl_s / 3 apart, so that what we read is refreshed before it expires
 LEGACY_CHECK_S = 30.0  # how often the single key of the older layout is checked for peers of an older gasloc
 NOT_MEMBER_CACHE_S = 5.0  # a caller whose record we did not find is not looked up again for this long
 
@@ -83,6 +84,7 @@ class Network:
         self._not_members: dict[str, float] = {}   # caller -> when its lookup found no record (monotonic)
         self._search_listings = 0                  # listings asked for during the partner search in progress
         self.legacy_seen: set[str] = set()         # peers of the older single-key layout, reported once each
+        self._bytes_reported = self._gets_reported = 0   # membership reads already in an earlier round's metrics
         self.peer_id, self.maddrs, self.fingerprint = "", [], ""
         self.signer = None
         self._tasks: list = []
@@ -303,7 +305,8 @@ class Network:
     async def _lister(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._list_wanted.wait(), LIST_PERIOD_S)
+                await asyncio.wait_for(self._list_wanted.wait(),
+                                       min(LIST_PERIOD_S, self.cfg.swarm.announce_ttl_s / 3))
             self._list_wanted.clear()
             level = self.membership.level
             self._take(await self.membership.listing())
@@ -317,7 +320,8 @@ class Network:
     def _take(self, found: dict[str, PeerRecord] | None) -> None:
         """Merge records just read into what we know, and drop what expired. A DHT that did not answer (None)
         leaves what we know, minus what expired: an empty view would make every partner a stranger."""
-        known = self.membership.prune({**self.records, **(found or {})})
+        gone = self.membership.withdrawn   # peers whose withdrawal (None) a read just saw
+        known = self.membership.prune({p: r for p, r in {**self.records, **(found or {})}.items() if p not in gone})
         self.records = known
         self.live = self.membership.compatible(known)
 
@@ -412,8 +416,10 @@ class Network:
         m = self.membership
         if m is None:
             return {}
-        return {"swarm_estimate": round(m.estimate.value, 1), "buckets": 1 << m.level,
-                "dht_bytes_read": m.bytes_read, "dht_gets": m.gets}
+        read, self._bytes_reported = m.bytes_read - self._bytes_reported, m.bytes_read   # since the last round
+        gets, self._gets_reported = m.gets - self._gets_reported, m.gets
+        return {"swarm_estimate": round(m.estimate.value, 1), "buckets": 1 << m.level, "dht_bytes_read": read,
+                "dht_gets": gets}
 
     # ------------------------------------------------------------------ state transfer
     # A joiner's snapshot is taken only when one asks: a copy of the parameters and the outer state to the CPU is

@@ -80,6 +80,7 @@ def test_a_record_goes_to_its_bucket_of_its_level_and_the_one_below_and_leaves_t
     reader = BucketReader(dht, run_id=RUN)
     for lv in (4, 5, 6):
         assert asyncio.run(reader.read([(lv, bucket_of(pid, lv))])) == {}, lv   # withdrawn everywhere
+        assert reader.withdrawn == {pid}                 # seen as a withdrawal, not just absent
 
 
 def test_a_reader_finds_the_level_estimates_the_size_and_reads_a_bucket_not_the_swarm(signers):

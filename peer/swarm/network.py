@@ -338,7 +338,7 @@ class Network:
         if not new:
             return
         self.legacy_seen |= set(new)
-        version = (status_view(others[new[0]]) or StatusView()).version or "before 0.2"
+        version = (status_view(others[new[0]]) or StatusView()).version or "unknown"
         what = (f"mixed swarm: {len(others)} peer(s) of run {self.cfg.swarm.run_id!r} announce under the single "
                 f"DHT key {self.cfg.swarm.run_id}_peers of an older gasloc (e.g. {new[0]}, version {version}); this "
                 f"version keeps records in bucket keys, so neither side sees the other: upgrade every peer of the run")

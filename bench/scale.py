@@ -202,16 +202,16 @@ class Bench:
         return truth
 
     # ------------------------------------------------------------------ one search, bucketed
-    def _callee_hints(self, run_truth: dict[str, str], level: int, callee: str, recs: dict):
+    def _callee_hints(self, truth: dict[str, str], by_bucket: dict[int, list[str]], level: int, callee: str):
         """What a busy member tells us: pick_hints over the records a peer holds (two buckets of its level)."""
         from gasloc.protocol.buckets import HintBook, bucket_of, pick_hints
 
         mine = {bucket_of(callee, level), self.rng.randrange(1 << level)}
-        view = {p: (s, 10) for p, s in run_truth.items() if bucket_of(p, level) in mine}
+        view = {p: (truth[p], 10) for b in mine for p in by_bucket.get(b, [])}
         return pick_hints(view, HintBook(callee), time.monotonic(), exclude=(callee,), rng=self.rng)
 
-    async def search_buckets(self, reader, responder, me: str, truth: dict[str, str], by_bucket_level: int
-                             ) -> dict:
+    async def search_buckets(self, reader, responder, me: str, truth: dict[str, str],
+                             by_bucket: dict[int, list[str]], level: int) -> dict:
         from gasloc.protocol.buckets import HintBook, listing_interval_s, merge_view
 
         o = self.o
@@ -245,7 +245,7 @@ class Bench:
             await asyncio.sleep(o["call_s"])
             if truth.get(peer) == "exchanging" and self.rng.random() >= o["busy_share"]:
                 return {"found": True, "s": time.monotonic() - t0, "listings": listings}
-            book.heard(peer, self._callee_hints(truth, by_bucket_level, peer, view), time.monotonic())
+            book.heard(peer, self._callee_hints(truth, by_bucket, level, peer), time.monotonic())
         return {"found": False, "s": None, "listings": listings}
 
     # ------------------------------------------------------------------ one search, single key
@@ -274,13 +274,16 @@ class Bench:
     # ------------------------------------------------------------------ one N, both designs
     async def measure(self, run_id: str, n: int) -> list[dict]:
         from gasloc.peer.swarm.membership import BucketReader, Membership, peer_id_of
-        from gasloc.protocol.buckets import level_for
+        from gasloc.protocol.buckets import bucket_of, level_for
 
         o = self.o
         t0 = time.monotonic()
         truth = await self.populate(run_id, n)
         populate_s = time.monotonic() - t0
         me = peer_id_of(self.searcher_signer.local_public_key)
+        by_bucket: dict[int, list[str]] = {}          # the members' buckets, for the modelled callees' views
+        for p in truth:
+            by_bucket.setdefault(bucket_of(p, level_for(n)), []).append(p)
         own = Membership(self.searcher, self.searcher_signer, run_id=run_id, peer_id=me, fingerprint="bench",
                          protocol=1, ttl_s=o["ttl_s"], request_timeout_s=30.0, rng=random.Random(o["seed"]))
         rows = []
@@ -300,7 +303,7 @@ class Bench:
                 cpu0, th0 = proc_cpu_s(self.searcher.pid), time.thread_time()
                 b0, r0 = reader.bytes_read, responder.bytes_read
                 if design == "buckets":
-                    res = await self.search_buckets(reader, responder, me, truth, level_for(n))
+                    res = await self.search_buckets(reader, responder, me, truth, by_bucket, level_for(n))
                 else:
                     res = await self.search_single(reader, me, truth)
                 res["cpu_ms"] = 1000 * (proc_cpu_s(self.searcher.pid) - cpu0 + time.thread_time() - th0)

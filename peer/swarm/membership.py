@@ -281,26 +281,26 @@ class BucketReader:
         return out if answered else None
 
     async def probe(self) -> dict[str, PeerRecord] | None:
-        """One random bucket of every level: the level where records are is where the writers are (a writer stores
-        in its level and the one below), so the estimate restarts from the fullest of them."""
+        """One random bucket of every level: records are only where writers are (a writer stores in its level
+        and the one below), so the estimate restarts from the levels that hold any, each a sample (the median of
+        them: a lone writer with a wild estimate, high up, moves it little)."""
         buckets = [(lv, self.rng.randrange(1 << lv)) for lv in range(MAX_LEVEL + 1)]
         results = await asyncio.gather(*(self._get(bucket_key(self.run_id, lv, b)) for lv, b in buckets))
         if not any(ok for _, ok in results):
             return None
         now = get_dht_time()
         out: dict[str, PeerRecord] = {}
-        best = 0.0
+        self.estimate = SizeEstimate()
         self.withdrawn = set()
         for (lv, _b), (found, ok) in zip(buckets, results):
             expirations: dict[str, float] = {}
             records = parse_listing(found, now=now, expirations=expirations, withdrawn=self.withdrawn) if ok else {}
             self.expirations.update(expirations)
             out.update(records)
-            best = max(best, len(records) * float(1 << lv))
-        self.estimate = SizeEstimate()
-        self.estimate.samples.append(best)
-        self.level = level_for(best)
-        log.debug("membership_probe estimate=%.0f level=%d", best, self.level)
+            if records:
+                self.estimate.add(lv, len(records))
+        self.level = level_for(self.estimate.value)
+        log.debug("membership_probe estimate=%.0f level=%d", self.estimate.value, self.level)
         return out
 
     async def listing(self, count: int | None = None) -> dict[str, PeerRecord] | None:

@@ -16,8 +16,9 @@ class BootstrapConfig(BaseModel):
     """A long-lived DHT node that peers dial first. It holds no model and takes no part in training."""
     model_config = ConfigDict(extra="forbid")
 
-    run_id: str = Field("gasloc", description="the run whose swarm size is logged (peers announce under "
-                        "<run_id>_peers); the node serves the DHT of any run")
+    run_id: str = Field("gasloc", description="the run whose swarm size is logged (estimated from the run's "
+                        "bucket keys <run_id>_m<level>_<bucket>) and whose members it forwards for; the node serves "
+                        "the DHT of any run")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP and UDP (QUIC) port on every interface "
                       "(0: any free port, for tests); ignored when host_maddrs is set")
     host_maddrs: list[str] | None = Field(None, description="multiaddrs to listen on; unset: "

@@ -68,62 +68,55 @@ async def _routing_table_size(_dht, node) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
-def swarm_size(dht, run_id: str, timeout_s: float) -> dict[str, int]:
-    """Live peers announced under the run's key (the same record peers list each other by), by state."""
-    from hivemind.utils.timed_storage import get_dht_time
-
-    from gasloc.peer.swarm.membership import parse_listing, peers_key
-
-    found = dht.get(peers_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
-    peers = parse_listing(found, now=get_dht_time())
-    out = {"peers": len(peers), "max_round": max((r.round for r in peers.values()), default=0)}
-    for r in peers.values():
+def swarm_size(relay: _Relay, timeout_s: float) -> dict[str, int]:
+    """The swarm as one probe of the run's bucket keys shows it (the same records peers find each other by):
+    the size estimate, the records the probe saw by state, and how many DHT nodes this one knows."""
+    reader = relay.reader
+    seen = relay.aio.run(reader.probe(), timeout_s)
+    if seen is None:
+        raise TimeoutError
+    # peers: the estimate (exact while the swarm fits one bucket); the states count the records sampled
+    out = {"peers": round(reader.estimate.value), "max_round": max((r.round for r in seen.values()), default=0)}
+    for r in seen.values():
         out[r.state] = out.get(r.state, 0) + 1
-    out["dht_nodes"] = dht.run_coroutine(_routing_table_size, return_future=True).result(timeout=timeout_s)
+    out.update(buckets=1 << reader.level, sampled=len(seen))
+    out["dht_nodes"] = relay.dht.run_coroutine(_routing_table_size, return_future=True).result(timeout=timeout_s)
     return out
 
 
 class _Relay:
     """The bootstrap's share of NAT traversal (peer/swarm/forward.py): it answers reachability probes and, with
-    `forwarding`, forwards streams to peers behind NAT that attach to it. Members are the run's live records,
-    listed every LIST_PERIOD_S on its own event loop."""
-
-    LIST_PERIOD_S = 2.0
+    `forwarding`, forwards streams to peers behind NAT that attach to it. A caller is a member when its record is
+    in its bucket (one DHT get; a hit is remembered until the record's expiration)."""
 
     def __init__(self, dht, cfg: BootstrapConfig):
         from gasloc.peer.swarm.forward import RelayService, RoutedP2P
+        from gasloc.peer.swarm.membership import BucketReader
         from gasloc.runtime.aio import LoopThread
 
         self.dht, self.run_id = dht, cfg.run_id
-        self.members: set[str] = set()
+        self.reader = BucketReader(dht, run_id=cfg.run_id, request_timeout_s=5.0)
+        self.members: dict = {}
         self.aio = LoopThread("bootstrap-relay")
         self.p2p = self.aio.run(dht.replicate_p2p(), cfg.startup_timeout_s)
         routed = RoutedP2P(self.p2p, cfg.run_id, lambda peer: None)
-        self.service = RelayService(routed, is_member=lambda pid: str(pid) in self.members,
+        self.service = RelayService(routed, is_member=self.is_member,
                                     volunteer=cfg.forwarding, max_circuits=cfg.forward_max_circuits,
                                     max_attached=cfg.forward_max_attached,
                                     circuit_timeout_s=cfg.forward_circuit_timeout_s)
         self.aio.run(self.service.start(), cfg.startup_timeout_s)
-        self.lister = self.aio.submit(self._list())
+        self.aio.run(self.reader.probe(), cfg.startup_timeout_s)   # our level, so that `find` looks in one bucket
 
-    async def _list(self) -> None:
-        import asyncio
-
-        from hivemind.utils.timed_storage import get_dht_time
-
-        from gasloc.peer.swarm.membership import parse_listing, peers_key
-
-        while True:
-            try:
-                found = await asyncio.wait_for(self.dht.get(peers_key(self.run_id), latest=True,
-                                                            return_future=True), 5.0)
-                self.members = set(parse_listing(found, now=get_dht_time()))
-            except TimeoutError:
-                log.warning("relay_listing_timeout run_id=%s", self.run_id)
-            await asyncio.sleep(self.LIST_PERIOD_S)
+    async def is_member(self, peer_id) -> bool:
+        pid = str(peer_id)
+        self.members = self.reader.prune(self.members)
+        if pid not in self.members:
+            rec = await self.reader.find(pid)
+            if rec is not None:
+                self.members[pid] = rec
+        return pid in self.members
 
     def stop(self) -> None:
-        self.lister.cancel()
         self.aio.run(self.service.stop(), 10)
         self.aio.run(self.p2p.shutdown(), 10)
         self.aio.stop()
@@ -194,7 +187,7 @@ def run(cfg: BootstrapConfig) -> int:
         emit_ready("bootstrap", peer_id, maddrs)
         while not stop.is_set():
             try:
-                size = swarm_size(dht, cfg.run_id, cfg.request_timeout_s)
+                size = swarm_size(relay, cfg.request_timeout_s)
                 log.info("swarm run_id=%s %s", cfg.run_id, " ".join(f"{k}={v}" for k, v in size.items()))
             except TimeoutError:
                 log.warning("swarm_size_timeout run_id=%s timeout_s=%.1f", cfg.run_id, cfg.request_timeout_s)

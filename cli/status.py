@@ -42,14 +42,20 @@ class StatusConfig(BaseModel):
     _run_id = field_validator("run_id")(check_run_id)
 
 
+STATUS_MAX_BUCKETS = 16   # a swarm in at most this many buckets is read whole; a larger one, this many of them
+
+
 class Observer:
-    """A client-mode DHT node that lists the run's records. Create it from the main thread (it forks)."""
+    """A client-mode DHT node that reads the run's records. Create it from the main thread (it forks). A small
+    swarm (up to STATUS_MAX_BUCKETS buckets) is read whole, its level and the one below (a writer one level under
+    ours has its copies there); a larger one is sampled, and the snapshot says so (`sampling`)."""
 
     def __init__(self, cfg: StatusConfig):
-        from gasloc.peer.swarm.membership import make_validators, peers_key
+        from gasloc.peer.swarm.membership import BucketReader, make_validators
+        from gasloc.runtime.aio import LoopThread
         from gasloc.runtime.safeproc import SafeDHT
 
-        self.cfg, self.key = cfg, peers_key(cfg.run_id)
+        self.cfg = cfg
         try:
             # the validators also strip the records' signatures: without them hivemind cannot decode a signed value
             self.dht = SafeDHT(initial_peers=cfg.initial_peers, start=True, client_mode=True,
@@ -59,24 +65,46 @@ class Observer:
             first = (str(e).strip().splitlines() or [""])[0]
             raise StatusError(f"could not join the DHT through {', '.join(cfg.initial_peers)} "
                               f"({type(e).__name__}: {first}); are those peers running and reachable?") from None
+        self.reader = BucketReader(self.dht, run_id=cfg.run_id, request_timeout_s=cfg.timeout_s)
+        self.aio = LoopThread("status")
+
+    async def _read(self) -> tuple[dict | None, dict]:
+        r = self.reader
+        probed = await r.probe()
+        if probed is None:
+            return None, {}
+        level = r.level
+        levels = [lv for lv in (level, level - 1) if lv >= 0]
+        if sum(1 << lv for lv in levels) <= STATUS_MAX_BUCKETS + STATUS_MAX_BUCKETS // 2:
+            found = await r.read([(lv, b) for lv in levels for b in range(1 << lv)], sample=False)
+            read = 1 << level
+        else:
+            picks = r.rng.sample(range(1 << level), STATUS_MAX_BUCKETS)
+            found = await r.read([(level, b) for b in picks])
+            read = STATUS_MAX_BUCKETS
+        records = {**probed, **(found or {})}
+        estimate = r.estimate.value if read < (1 << level) else float(len(records))
+        return records, {"buckets_read": read, "buckets": 1 << level, "estimate": estimate}
 
     def snapshot(self) -> dict:
         from hivemind.utils.timed_storage import get_dht_time
 
         from gasloc.cli.statusview import snapshot
-        from gasloc.peer.swarm.membership import parse_listing
 
         try:
-            found = self.dht.get(self.key, latest=True, return_future=True).result(self.cfg.timeout_s)
+            records, sampling = self.aio.run(self._read(), self.cfg.timeout_s * 3)
         except TimeoutError:
-            raise StatusError(f"the DHT did not answer within {self.cfg.timeout_s:.0f} s") from None
+            records = None
+        if records is None:
+            raise StatusError(f"the DHT did not answer within {self.cfg.timeout_s:.0f} s")
         now = get_dht_time()
-        return snapshot(parse_listing(found, now=now), run_id=self.cfg.run_id, now=now)
+        return snapshot(records, run_id=self.cfg.run_id, now=now, sampling=sampling)
 
     def close(self) -> None:
         # No remove_own_shm() here (unlike the peer): the DHT futures' shared-memory tensors are still alive, and
         # torch aborts the process (SIGABRT, exit -6) when their destructor finds the file already unlinked.
         # They are freed, and their files unlinked by torch, as the interpreter exits.
+        self.aio.stop()
         self.dht.shutdown()
 
 

@@ -56,10 +56,24 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def snapshot(records: dict[str, PeerRecord], *, run_id: str, now: float, sampled: bool = False) -> dict[str, Any]:
+def snapshot(records: dict[str, PeerRecord], *, run_id: str, now: float, sampling: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+    """`sampling`: which of the run's DHT buckets were read ({"buckets_read", "buckets", "estimate"}); a snapshot
+    of some of them is `sampled` (its rows are that share of the swarm, its estimate the swarm's size)."""
     rows = sorted((peer_row(r, now) for r in records.values()), key=lambda r: (-r["round"], r["peer_id"]))
-    return {"run_id": run_id, "time": now, "sampled": sampled, "claimed": list(CLAIMED), "peers": rows,
-            "totals": totals(rows)}
+    sampled = sampling is not None and sampling["buckets_read"] < sampling["buckets"]
+    return {"run_id": run_id, "time": now, "sampled": sampled, "sampling": sampling, "claimed": list(CLAIMED),
+            "peers": rows, "totals": totals(rows)}
+
+
+def sampling_line(snap: dict[str, Any]) -> str:
+    """What part of the swarm a snapshot shows: every bucket, or a sample and the size it suggests."""
+    s = snap.get("sampling")
+    if not s:
+        return ""
+    if snap["sampled"]:
+        return f"sampled {s['buckets_read']} of {s['buckets']} buckets, ~{s['estimate']:.0f} peers estimated"
+    return f"read all {s['buckets']} bucket(s) of the swarm"
 
 
 @dataclass
@@ -117,7 +131,7 @@ def render_table(snap: dict[str, Any], initial_peers: list[str]):
     main_fp = Counter(r["fingerprint"] for r in rows).most_common(1)[0][0]
     t = Table(title=f"gasloc status: run {snap['run_id']!r}, {time.strftime('%H:%M:%S', time.localtime(snap['time']))}",
               caption="* the peer's own claim, from its signed DHT record" +
-                      ("; a sample of the swarm" if snap["sampled"] else ""))
+                      (f"; {sampling_line(snap)}" if snap.get("sampling") else ""))
     for col in ("peer", "state*", "round*", "loss*", "val loss*", "tok/s*", "MB/s*", "s/round*", "proto",
                 "version*", "reach", "seen s ago"):
         t.add_column(col, justify="left" if col in ("peer", "state*", "reach") else "right")

@@ -512,7 +512,7 @@ class Peer:
             outer_s=outer_s, round_s=round_s, tokens_per_s=self.throughput_tps,
             peak_mem_mb=peak_memory_mb(self.device), attempts=ex.attempts, passed_over=ex.passed_over,
             live_peers=self.live_count(), detail=ex.detail or None, code=ex.code, **_guard_fields(ex.guard),
-            path=ex.path if ex.ok else None, **self.net.nat_metrics())
+            path=ex.path if ex.ok else None, **self.net.nat_metrics(), **self.net.membership_metrics())
         log.info("round=%d loss=%.4f%s partner=%s outcome=%s MB=%.2f s=%.2f exchange_s=%.2f", self.round, phase.loss,
                  f" val_loss={val_loss:.4f}" if val_loss is not None else "", _short(ex.partner), outcome,
                  (ex.bytes_sent + ex.bytes_received) / 1e6, round_s, ex.exchange_s)

@@ -68,6 +68,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("gauge", "gasloc_tokens_per_second", "training tokens per second over the last inner phase", "round",
            "tokens_per_s"),
     Metric("gauge", "gasloc_live_peers", "other compatible peers in sight, past joining", "round", "live_peers"),
+    Metric("gauge", "gasloc_swarm_estimate", "the swarm's size as this peer's bucket reads estimate it (membership)",
+           "round", "swarm_estimate"),
+    Metric("gauge", "gasloc_membership_buckets", "bucket keys the run's records are spread over, at this peer's "
+           "level (protocol/buckets.py)", "round", "buckets"),
+    Metric("counter", "gasloc_dht_read_bytes", "bytes of membership records read from the DHT (listings, lookups)",
+           "round", "dht_bytes_read"),
     Metric("counter", "gasloc_passed_over", "ready peers on much slower links passed over (swarm.slower_link_ratio)",
            "round", "passed_over"),
     Metric("counter", "gasloc_guard_verdicts", "partners' tensors judged by the robust-mixing guard, by verdict "

@@ -82,6 +82,19 @@ def payload_bytes(specs: Sequence[TensorSpec], wire_dtype: str | None = None) ->
     return sum(s.numel * DTYPE_BYTES[wire_dtype or s.dtype] for s in specs)
 
 
+MAX_WIRE_HINTS = 8   # protocol/buckets.py MAX_HINTS: peers one header tells about
+
+
+class WireHint(_Wire):
+    """Peer exchange (protocol/buckets.py): a live peer the sender saw recently, with its state and round (claims)."""
+    peer_id: str = Field(min_length=1, max_length=64)
+    state: str = Field(max_length=16)
+    round: int = Field(ge=0)
+
+
+Hints = tuple[WireHint, ...]
+
+
 class ExchangeRequest(_Wire):
     """Initiator -> responder: "I want to exchange; this is what I will send once you accept"."""
     kind: Literal["exchange"] = "exchange"
@@ -94,6 +107,7 @@ class ExchangeRequest(_Wire):
     streams: int = Field(1, ge=1, description="how many parallel streams carry the payloads (this one included)")
     auth: str = Field("", max_length=64, description="private swarm: the sender's proof of the swarm key "
                       "(protocol/auth.py); empty in an open swarm")
+    peers: Hints = Field((), max_length=MAX_WIRE_HINTS, description="peer exchange: live peers the sender saw")
 
 
 class ExchangeReply(_Wire):
@@ -110,6 +124,7 @@ class ExchangeReply(_Wire):
     token: str = Field("", max_length=64, description="with OK and streams > 1: what each extra stream presents")
     auth: str = Field("", max_length=64, description="private swarm: the sender's proof of the swarm key "
                       "(protocol/auth.py); empty in an open swarm")
+    peers: Hints = Field((), max_length=MAX_WIRE_HINTS, description="peer exchange: live peers the sender saw")
 
 
 class LaneHello(_Wire):
@@ -127,6 +142,7 @@ class StateRequest(_Wire):
     fingerprint: str = Field(max_length=128)
     auth: str = Field("", max_length=64, description="private swarm: the sender's proof of the swarm key "
                       "(protocol/auth.py); empty in an open swarm")
+    peers: Hints = Field((), max_length=MAX_WIRE_HINTS, description="peer exchange: live peers the sender saw")
 
 
 class StateReply(_Wire):
@@ -144,6 +160,7 @@ class StateReply(_Wire):
     sha256: str = Field("", max_length=64, description="hex sha256 of the payload bytes")
     auth: str = Field("", max_length=64, description="private swarm: the sender's proof of the swarm key "
                       "(protocol/auth.py); empty in an open swarm")
+    peers: Hints = Field((), max_length=MAX_WIRE_HINTS, description="peer exchange: live peers the sender saw")
 
 
 def fingerprint(**parts: Any) -> str:

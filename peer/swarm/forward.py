@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import ipaddress
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +150,7 @@ class RelayService:
     volunteer: we forward for others and accept attachments (public peers with network.forwarding); every peer
     answers probes. Counters for metrics: forwarded_bytes (both directions), forwarded_circuits."""
 
-    def __init__(self, routed: RoutedP2P, *, is_member: Callable[[PeerID], bool], volunteer: bool,
+    def __init__(self, routed: RoutedP2P, *, is_member: Callable[[PeerID], bool | Awaitable[bool]], volunteer: bool,
                  max_circuits: int, max_attached: int, circuit_timeout_s: float):
         self.routed, self.is_member = routed, is_member
         self.volunteer, self.max_circuits, self.max_attached = volunteer, max_circuits, max_attached
@@ -192,7 +193,8 @@ class RelayService:
                 return await _send(writer, _reply(Code.OK, reachable=await self._probe(req.addrs)))
             if not self.volunteer:
                 return await _send(writer, _reply(Code.NOT_FORWARDING, "this peer does not forward"))
-            if not self.is_member(info.peer_id):
+            member = self.is_member(info.peer_id)   # a lookup of the caller's bucket when it is not in sight
+            if not (await member if inspect.isawaitable(member) else member):
                 return await _send(writer, _reply(Code.NOT_MEMBER, "you are not a live member of this run"))
             if req.kind == "attach":
                 await self._hold(caller, reader, writer)

@@ -15,7 +15,8 @@ time during our next round can still pair with us, and we never give up sooner t
 ending at the inner steps alone left fast peers of the hetero bench solo in most rounds, and with outer momentum
 0.9 they diverged).
 
-The listing of who is ready comes from the background lister (peer/swarm/network.py): the search never waits on the DHT.
+The listing of who is ready comes from the background lister (peer/swarm/network.py) and from peer exchange (the
+hints in every exchange header, protocol/buckets.py): the search never waits on the DHT.
 """
 from __future__ import annotations
 
@@ -37,8 +38,6 @@ from gasloc.protocol.partners import Backoff
 from gasloc.protocol.search import Call, Finish, PartnerPolicy, SearchRules, Sight, Wait
 
 log = logging.getLogger(__name__)
-
-LISTING_MAX_AGE_S = 0.3  # while looking for a partner, ask for a listing at most this stale (in the background)
 
 
 @dataclass
@@ -75,8 +74,9 @@ class GossipAveraging:
 
     def start(self, specs: list[tuple[tuple[int, ...], torch.dtype]], fingerprint: str) -> None:
         self.exchanger = Exchanger(self.cfg.exchange, self.net.p2p, specs=specs, fingerprint=fingerprint,
-                                   is_member=self.net.is_member, namespace=self.cfg.swarm.run_id,
-                                   declines=self._declines, swarm_key=self.net.swarm_key)
+                                   is_member=self.net.confirm_member, namespace=self.cfg.swarm.run_id,
+                                   declines=self._declines, swarm_key=self.net.swarm_key,
+                                   hints_out=self.net.hints_for, hints_in=self.net.heard)
         self.net.aio.run(self.exchanger.start(), self.cfg.network.startup_timeout_s)
 
     def average(self, sent: list[torch.Tensor], round: int, live_count: Callable[[], int]) -> RoundExchange:
@@ -121,12 +121,12 @@ class GossipAveraging:
             return RoundExchange(outcome="failed", detail="partner search overran its limit")
 
     def _sight(self, cut: threading.Event | None) -> Sight:
-        live = self.net.live
+        in_sight = self.net.in_sight()    # the peers we hold a record of, and those that peer exchange told us of
         ex = self.exchanger
         # partner weights are our own measured rates with each peer: a record's bandwidth_bps is its owner's
         # claim (a Sybil announcing 1e30 would be picked whenever free), our measurement is a fact
-        return Sight(live=live.keys(), ready={p: ex.rate(p) for p in self.net.ready_peers()},
-                     rates={p: ex.rate(p) for p in live}, own_link=self.own_link(),
+        return Sight(live=in_sight, ready={p: ex.rate(p) for p in self.net.ready_peers()},
+                     rates={p: ex.rate(p) for p in in_sight}, own_link=self.own_link(),
                      cut=cut is None or cut.is_set(), stopping=self.stopping.is_set(),
                      engaged_as_responder=(ex.engaged or "").startswith("responder"),
                      training=self.net.ready_at(time.monotonic()),
@@ -141,12 +141,17 @@ class GossipAveraging:
         # the adaptive deadline learns from plain searches only: an overlapped one's wait is hidden by inner steps
         self._search_t0 = t0 if cut is None else None
         search = self.policy.begin(t0, None if cut is None else window_s)
+        self.net.search_begins()
         ex.offer(sent, round)
         self.set_state("exchanging")  # offer first: whoever sees the announcement may call us at once
         try:
             while not self._take(await ex.wait_incoming(0), report):
-                self.net.request_listing(max_age_s=LISTING_MAX_AGE_S)  # the search never waits on the DHT
-                action = search.next(self._sight(cut), time.monotonic())
+                sight = self._sight(cut)
+                if not sight.ready:
+                    # nobody ready in sight: another bucket, in the background and with backoff (the search never
+                    # waits on the DHT); with someone ready, its answer's hints are worth more than a listing
+                    self.net.search_listing()
+                action = search.next(sight, time.monotonic())
                 if isinstance(action, Finish):
                     if action.let_finish_s:
                         # a partner is mid-exchange with us: let it finish (bounded by its own deadline) rather

@@ -1,15 +1,22 @@
-"""Who is in the swarm: each peer's signed, schema-checked DHT record under the run's key.
+"""Who is in the swarm: each peer's signed, schema-checked DHT record, spread over bucket keys.
 
-One DHT key per run (`<run_id>_peers`), one subkey per peer: that peer's RSA public key, so only its owner can
-write it (RSASignatureValidator). Every value must match `PeerRecord` exactly (SchemaValidator, strict types).
+Layout (protocol/buckets.py): a peer's record lives under the bucket keys `<run_id>_m<level>_<bucket>` of its
+level and the level below, the level following the swarm-size estimate (about 8 records a bucket); a reader lists
+a bucket or two of its own level, never the whole swarm. One subkey per peer in each bucket: that peer's RSA public
+key, so only its owner can write it (RSASignatureValidator). Every value must match `PeerRecord` exactly
+(`BucketSchemaValidator`: hivemind's SchemaValidator, with every bucket key mapped to the one schema, strict types).
 
 A record is bound to its owner: the RSA key that signs it is the peer's libp2p identity key (the key file p2pd runs
 with), so the subkey's public key determines the libp2p peer id, and `parse_listing` drops a record whose `peer_id`
 is not the one its subkey derives to. Hence one subkey per identity, and no record can speak for another peer: a
 forged record for a live victim is simply not the victim's, and the victim stays listed.
 A record expires `ttl_s` after its last announcement; a peer re-announces every ttl/3 and, when it leaves, stores
-None with a later expiration (the DHT keeps the record with the latest expiration, so a plain re-store with a shorter
-TTL would be ignored; see docs/hivemind.md §4).
+None with a later expiration in every bucket it wrote (the DHT keeps the record with the latest expiration, so a
+plain re-store with a shorter TTL would be ignored; see docs/hivemind.md §4).
+
+The single key of gasloc before buckets (`<run_id>_peers`, every record under one key) is still validated and read
+now and then, only to notice a peer of that older layout: it cannot see our records nor we its, so a mixed swarm
+would split silently; instead the newer peer refuses to start, or logs an ERROR while running (`legacy_peers`).
 
 What a record says beyond who wrote it (state, round, throughput, bandwidth) is its owner's claim: partner choice
 weighs our own measured rates, never `bandwidth_bps`. Freshness comes from the DHT's expiration of the entry, never
@@ -22,6 +29,8 @@ import functools
 import hashlib
 import logging
 import math
+import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +39,23 @@ import multihash
 import pydantic.v1 as pv1
 from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from gasloc import __version__
+from gasloc.protocol.buckets import (
+    MAX_LEVEL,
+    SizeEstimate,
+    bucket_of,
+    buckets_to_read,
+    level_for,
+    lookup_levels,
+    writer_levels,
+)
 from gasloc.protocol.reach import MAX_VIA, RECORD_REACH
 
 log = logging.getLogger(__name__)
@@ -123,8 +143,26 @@ class SwarmSchema(pv1.BaseModel):
 
 
 def peers_key(run_id: str) -> str:
-    """The DHT key of a run's peer list (SchemaValidator names it `<prefix>_<field>`)."""
+    """The single DHT key of the layout before buckets (SchemaValidator names it `<prefix>_<field>`): read only to
+    notice a peer of that older layout (`legacy_peers`)."""
     return f"{run_id}_peers"
+
+
+def bucket_key(run_id: str, level: int, bucket: int) -> str:
+    """The DHT key of one bucket of records (protocol/buckets.py)."""
+    return f"{run_id}_m{level}_{bucket}"
+
+
+class BucketSchemaValidator(SchemaValidator):
+    """hivemind's SchemaValidator with every bucket key of every level (2**(MAX_LEVEL+1) - 1 of them) checked
+    against SwarmSchema's one field, as the single key is: the same strict record check wherever a record lives."""
+
+    def __init__(self, run_id: str):
+        super().__init__(SwarmSchema, prefix=run_id)
+        field = next(iter(SwarmSchema.__fields__))
+        for level in range(MAX_LEVEL + 1):
+            for b in range(1 << level):
+                self._key_id_to_field_name[DHTID.generate(source=bucket_key(run_id, level, b)).to_bytes()] = field
 
 
 class IdentityError(ValueError):
@@ -176,22 +214,147 @@ def make_validators(run_id: str, identity: RSAPrivateKey | None = None) -> tuple
     are bound to its peer id); a bootstrap, which announces nothing, may let a fresh key be made. Never
     RSAPrivateKey.process_wide(): forked peers would share it."""
     signer = RSASignatureValidator(identity or RSAPrivateKey())
-    return signer, [signer, SchemaValidator(SwarmSchema, prefix=run_id)]
+    return signer, [signer, BucketSchemaValidator(run_id)]
 
 
-class Membership:
-    """Announce, refresh, list and withdraw this peer's record. All methods are coroutines for the peer's event loop
-    (the DHT calls return MPFutures, awaited without blocking the loop)."""
+SIGNATURE_BYTES = 357  # b"[signature:<344 base64 chars>]" of an RSA-2048 signature, stripped before we see a value
+
+
+def entry_bytes(found) -> int:
+    """About how many bytes a DHT `get` result carried: each entry's subkey and value as msgpack, its signature
+    and expiration. An estimate for metrics and bench/scale.py (the DHT strips signatures before we see values)."""
+    if found is None or not isinstance(found.value, dict):
+        return 0
+    return sum(len(MSGPackSerializer.dumps(k)) + len(MSGPackSerializer.dumps(e.value)) + SIGNATURE_BYTES + 8
+               for k, e in found.value.items())
+
+
+class BucketReader:
+    """Reads the run's bucket keys: a few buckets of our level for a listing, every level once for a probe (at
+    start: the level is unknown), one peer's buckets to confirm it (`find`), and keeps the swarm-size estimate
+    those reads give. Coroutines for an event loop (the DHT calls return MPFutures, awaited without blocking).
+    Counters for metrics and bench/scale.py: bytes_read (entry_bytes), gets."""
+
+    def __init__(self, dht, *, run_id: str, request_timeout_s: float = 10.0, rng: random.Random | None = None):
+        self.dht, self.run_id, self.request_timeout_s = dht, run_id, request_timeout_s
+        self.rng = rng or random.Random()
+        self.estimate = SizeEstimate()
+        self.level = 0
+        self.bytes_read = 0
+        self.gets = 0
+        self.expirations: dict[str, float] = {}   # peer id -> DHT expiration of its entry, as of the last read
+        self.withdrawn: set[str] = set()          # peers whose withdrawal (None) the last read saw
+        self._recent: list[int] = []              # buckets of our level read lately: the next listing reads others
+
+    async def _get(self, key: str):
+        """A DHT get of one key; None when it did not answer in time (which says nothing about who is alive)."""
+        self.gets += 1
+        try:
+            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True),
+                                           self.request_timeout_s)
+        except TimeoutError:
+            log.warning("dht_get_timeout key=%s timeout_s=%.1f", key, self.request_timeout_s)
+            return None, False
+        self.bytes_read += entry_bytes(found)
+        return found, True
+
+    async def read(self, buckets: list[tuple[int, int]], *, sample: bool = True) -> dict[str, PeerRecord] | None:
+        """Every valid, unexpired record in these (level, bucket)s; None if none of the gets was answered. With
+        `sample`, each answered bucket adds to the size estimate."""
+        results = await asyncio.gather(*(self._get(bucket_key(self.run_id, lv, b)) for lv, b in buckets))
+        now = get_dht_time()
+        out: dict[str, PeerRecord] = {}
+        answered = False
+        self.withdrawn = set()
+        for (lv, _b), (found, ok) in zip(buckets, results):
+            if not ok:
+                continue
+            answered = True
+            expirations: dict[str, float] = {}
+            records = parse_listing(found, now=now, expirations=expirations, withdrawn=self.withdrawn)
+            self.expirations.update(expirations)
+            out.update(records)
+            if sample:
+                self.estimate.add(lv, len(records))
+        if answered and sample:
+            self.level = level_for(self.estimate.value, self.level)
+        return out if answered else None
+
+    async def probe(self) -> dict[str, PeerRecord] | None:
+        """One random bucket of every level: records are only where writers are (a writer stores in its level
+        and the one below), so the estimate restarts from the levels that hold any, each a sample (the median of
+        them: a lone writer with a wild estimate, high up, moves it little)."""
+        buckets = [(lv, self.rng.randrange(1 << lv)) for lv in range(MAX_LEVEL + 1)]
+        results = await asyncio.gather(*(self._get(bucket_key(self.run_id, lv, b)) for lv, b in buckets))
+        if not any(ok for _, ok in results):
+            return None
+        now = get_dht_time()
+        out: dict[str, PeerRecord] = {}
+        self.estimate = SizeEstimate()
+        self.withdrawn = set()
+        for (lv, _b), (found, ok) in zip(buckets, results):
+            expirations: dict[str, float] = {}
+            records = parse_listing(found, now=now, expirations=expirations, withdrawn=self.withdrawn) if ok else {}
+            self.expirations.update(expirations)
+            out.update(records)
+            if records:
+                self.estimate.add(lv, len(records))
+        self.level = level_for(self.estimate.value)
+        log.debug("membership_probe estimate=%.0f level=%d", self.estimate.value, self.level)
+        return out
+
+    async def listing(self, count: int | None = None) -> dict[str, PeerRecord] | None:
+        """`count` random buckets of our level (default: one, or both of level 1: a small swarm is read whole),
+        others than the last ones read. An empty answer from a level above 0 sends us to `probe`: the swarm
+        shrank, or our level is off."""
+        if count is None:
+            count = 1 if self.level > 1 else 1 << self.level
+        picks = buckets_to_read(self.level, count, self.rng, skip=self._recent)
+        self._recent = (self._recent + picks)[-max(1, (1 << self.level) // 2):]
+        found = await self.read([(self.level, b) for b in picks])
+        if found is not None and not found and self.level > 0:
+            return await self.probe()
+        return found
+
+    async def find(self, peer_id: str) -> PeerRecord | None:
+        """`peer_id`'s record, from its own bucket: at our level, then the levels around it (a writer whose
+        estimate differs from ours by more than half). One get when the writer agrees with us."""
+        for lv in lookup_levels(self.level):
+            found = await self.read([(lv, bucket_of(peer_id, lv))], sample=False)
+            if found and peer_id in found:
+                return found[peer_id]
+        return None
+
+    async def legacy_peers(self) -> dict[str, PeerRecord] | None:
+        """Live records under the single key of the layout before buckets: peers of an older gasloc, which
+        cannot see us nor we them. An empty key costs a get of nothing."""
+        found, ok = await self._get(peers_key(self.run_id))
+        return parse_listing(found, now=get_dht_time()) if ok else None
+
+    def prune(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """Records minus the entries whose DHT expiration has passed: what to believe between reads. (The record's
+        own `time` is its owner's claim and decides nothing.)"""
+        now = get_dht_time()
+        return {pid: r for pid, r in records.items() if self.expirations.get(pid, 0.0) > now}
+
+
+class Membership(BucketReader):
+    """Announce, refresh and withdraw this peer's record, and read others' (BucketReader)."""
 
     def __init__(self, dht, signer: RSASignatureValidator, *, run_id: str, peer_id: str, fingerprint: str,
-                 protocol: int, ttl_s: float, request_timeout_s: float = 10.0):
-        self.dht, self.signer = dht, signer
-        self.key, self.subkey = peers_key(run_id), signer.local_public_key
+                 protocol: int, ttl_s: float, request_timeout_s: float = 10.0, rng: random.Random | None = None):
+        super().__init__(dht, run_id=run_id, request_timeout_s=request_timeout_s, rng=rng)
+        self.signer, self.subkey = signer, signer.local_public_key
         self.peer_id, self.fingerprint, self.protocol = peer_id, fingerprint, protocol
-        self.ttl_s, self.request_timeout_s = ttl_s, request_timeout_s
+        self.ttl_s = ttl_s
         self._last_expiration = 0.0
         self._failed_in_a_row = 0
-        self.expirations: dict[str, float] = {}   # peer id -> DHT expiration of its entry, as of the last listing
+        self._written: dict[str, float] = {}   # bucket key -> when we last stored there (monotonic)
+
+    @property
+    def key(self) -> str:
+        """Our bucket key at our level (for logs)."""
+        return bucket_key(self.run_id, self.level, bucket_of(self.peer_id, self.level))
 
     def record(self, *, state: str, round: int, throughput_tps: float, bandwidth_bps: float, reach: str = "direct",
                via: list[str] | None = None, forwards: bool = False, **view: Any) -> PeerRecord:
@@ -204,77 +367,69 @@ class Membership:
                           time=float(get_dht_time()), view=StatusView(version=__version__, **view).dict(),
                           reach=reach, via=list(via or [])[:MAX_VIA], forwards=forwards)
 
+    def _keys(self) -> list[str]:
+        return [bucket_key(self.run_id, lv, bucket_of(self.peer_id, lv)) for lv in writer_levels(self.level)]
+
     async def announce(self, record: PeerRecord) -> bool:
-        """Store our record with expiration now + ttl. False if no DHT node accepted it (logged, retried later)."""
+        """Store our record with expiration now + ttl in our buckets (our level's and the one below). False if no
+        DHT node accepted it in any (logged, retried later)."""
         expiration = max(get_dht_time() + self.ttl_s, self._last_expiration + 1e-3)
-        ok = await self._store(record.dict(), expiration)
+        keys = self._keys()
+        oks = await asyncio.gather(*(self._store(k, record.dict(), expiration) for k in keys))
+        ok = any(oks)
         if ok:
             self._last_expiration = expiration
             self._failed_in_a_row = 0
+            now = time.monotonic()
+            self._written.update({k: now for k, stored in zip(keys, oks) if stored})
         else:
             # one replica refusing or not answering is routine (the next announce is due in ttl/3); only a run of
             # failures means others are about to lose sight of us
             self._failed_in_a_row += 1
             log.log(logging.WARNING if self._failed_in_a_row >= 3 else logging.DEBUG,
-                    "announce_failed key=%s state=%s round=%d in_a_row=%d", self.key, record.state, record.round,
+                    "announce_failed key=%s state=%s round=%d in_a_row=%d", keys[0], record.state, record.round,
                     self._failed_in_a_row)
         return ok
 
     async def withdraw(self) -> bool:
-        """Leave the listing: None with an expiration later than any record we stored (a later expiration wins)."""
+        """Leave every bucket we stored in within a TTL: None with an expiration later than any record we stored
+        (a later expiration wins)."""
         expiration = max(get_dht_time(), self._last_expiration) + 1.0
-        ok = await self._store(None, expiration)
-        log.info("withdrawn key=%s ok=%s", self.key, ok)
-        return ok
+        now = time.monotonic()
+        keys = [k for k, at in self._written.items() if now - at < self.ttl_s + 1] or self._keys()
+        oks = await asyncio.gather(*(self._store(k, None, expiration) for k in keys))
+        log.info("withdrawn keys=%d ok=%s", len(keys), all(oks))
+        return all(oks)
 
-    async def _store(self, value, expiration: float) -> bool:
+    async def _store(self, key: str, value, expiration: float) -> bool:
         try:
             return bool(await asyncio.wait_for(
-                self.dht.store(self.key, value, expiration, subkey=self.subkey, return_future=True),
+                self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True),
                 self.request_timeout_s))
         except TimeoutError:
-            log.warning("dht_store_timeout key=%s timeout_s=%.1f", self.key, self.request_timeout_s)
+            log.warning("dht_store_timeout key=%s timeout_s=%.1f", key, self.request_timeout_s)
             return False
 
-    async def list_all(self) -> dict[str, PeerRecord] | None:
-        """Every valid, unexpired record under the run's key, including ours and other configurations'; None when
-        the DHT did not answer in time (which says nothing about who is alive)."""
-        try:
-            found = await asyncio.wait_for(self.dht.get(self.key, latest=True, return_future=True),
-                                           self.request_timeout_s)
-        except TimeoutError:
-            log.warning("dht_get_timeout key=%s timeout_s=%.1f", self.key, self.request_timeout_s)
-            return None
-        expirations: dict[str, float] = {}
-        listing = parse_listing(found, now=get_dht_time(), expirations=expirations)
-        self.expirations = expirations
-        return listing
-
-    async def live_peers(self) -> dict[str, PeerRecord] | None:
-        """Peers we can pair with: same fingerprint and protocol, unexpired, not us; None if the DHT did not
-        answer."""
-        found = await self.list_all()
-        if found is None:
-            return None
-        return compatible(found, peer_id=self.peer_id, fingerprint=self.fingerprint, protocol=self.protocol)
-
-    def prune(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
-        """An older listing minus the entries whose DHT expiration has passed: what to believe while the DHT does
-        not answer. (The record's own `time` is its owner's claim and decides nothing.)"""
-        now = get_dht_time()
-        return {pid: r for pid, r in records.items() if self.expirations.get(pid, 0.0) > now}
+    def compatible(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """Peers we can pair with: same fingerprint and protocol, not us."""
+        return compatible(records, peer_id=self.peer_id, fingerprint=self.fingerprint, protocol=self.protocol)
 
 
-def parse_listing(found, now: float, expirations: dict[str, float] | None = None) -> dict[str, PeerRecord]:
+def parse_listing(found, now: float, expirations: dict[str, float] | None = None,
+                  withdrawn: set[str] | None = None) -> dict[str, PeerRecord]:
     """peer_id -> record from a DHT `get` result (None, or a dict subkey -> ValueWithExpiration); withdrawn (None),
     expired, malformed entries and entries whose peer_id is not their subkey's owner are dropped. `expirations`,
-    when given, receives each kept peer's DHT expiration.
+    when given, receives each kept peer's DHT expiration; `withdrawn` the peer ids whose entry is a withdrawal.
 
     Each peer id has exactly one possible subkey (its own public key), so no two kept entries can claim one id."""
     out: dict[str, PeerRecord] = {}
     if found is None or not isinstance(found.value, dict):
         return out
     for subkey, entry in found.value.items():
+        if entry.value is None and withdrawn is not None:
+            pid = peer_id_of(subkey)
+            if pid is not None:
+                withdrawn.add(pid)
         if entry.value is None or entry.expiration_time <= now:
             continue
         try:

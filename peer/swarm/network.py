@@ -29,12 +29,15 @@ from gasloc.peer.swarm.membership import (
     IdentityError,
     Membership,
     PeerRecord,
+    StatusView,
     load_identity,
     make_validators,
     peer_id_of,
+    status_view,
 )
 from gasloc.peer.swarm.swarmkey import load_swarm_key
 from gasloc.protocol.auth import SwarmKeyError
+from gasloc.protocol.buckets import HintBook, PeerHint, listing_interval_s, pick_hints
 from gasloc.protocol.messages import PROTOCOL_VERSION
 from gasloc.protocol.reach import probed_reachability, record_reach, route
 from gasloc.runtime.aio import LoopThread
@@ -46,7 +49,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LIST_PERIOD_S = 1.0   # how often the live-peer cache is refreshed (a DHT get costs ~20 ms on a healthy swarm)
+LIST_PERIOD_S = 10.0  # the slow background refresh, one bucket (a search lists more, with backoff: gossip.py);
+                      # at most announce_ttl_s / 3 apart, so that what we read is refreshed before it expires
+LEGACY_CHECK_S = 30.0  # how often the single key of the older layout is checked for peers of an older gasloc
+NOT_MEMBER_CACHE_S = 5.0  # a caller whose record we did not find is not looked up again for this long
+JOIN_RELIST_S = 0.5  # a joiner whose first listing was empty lists again at this pace (swarm.join_listing_wait_s)
 
 
 @dataclass(frozen=True)
@@ -73,8 +80,14 @@ class Network:
         self.p2p = None
         self.membership: Membership | None = None
         self.state_server = None
-        self._live: dict[str, PeerRecord] = {}     # compatible live peers, as of the last listing (`live`)
+        self._live: dict[str, PeerRecord] = {}     # compatible live peers we hold a record of (`live`)
         self._entered: dict[str, tuple[str, int, float]] = {}  # peer -> (state, round, DHT time it entered them)
+        self.records: dict[str, PeerRecord] = {}   # every record read (any configuration), until its expiration
+        self.hints = HintBook()                    # peer exchange: who others told us is live (protocol/buckets.py)
+        self._not_members: dict[str, float] = {}   # caller -> when its lookup found no record (monotonic)
+        self._search_listings = 0                  # listings asked for during the partner search in progress
+        self.legacy_seen: set[str] = set()         # peers of the older single-key layout, reported once each
+        self._bytes_reported = self._gets_reported = 0   # membership reads already in an earlier round's metrics
         self.peer_id, self.maddrs, self.fingerprint = "", [], ""
         self.signer = None
         self._tasks: list = []
@@ -167,11 +180,13 @@ class Network:
                                      # a store or get stuck on an unresponsive DHT node must not outlive a refresh
                                      request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3))
         net = self.cfg.network
-        self.relay = RelayService(self.p2p, is_member=self.is_member, volunteer=False,
+        self.relay = RelayService(self.p2p, is_member=self.confirm_member, volunteer=False,
                                   max_circuits=net.forward_max_circuits, max_attached=net.forward_max_attached,
                                   circuit_timeout_s=self.cfg.exchange.exchange_timeout_s + 5)
         self.aio.run(self.relay.start(), timeout)
-        self.live = self.aio.run(self.membership.live_peers(), timeout) or {}
+        self.hints = HintBook(self.peer_id)
+        self._check_layout(self.aio.run(self.membership.legacy_peers(), timeout), starting=True)
+        self._take(self.aio.run(self.membership.probe(), timeout))
         self.private, self.reach_source = self._learn_reachability()
         self.relay.volunteer = net.forwarding and not self.private
         self.aio.run(self.membership.announce(self._record()), timeout)
@@ -179,7 +194,9 @@ class Network:
         self._announce_wanted, self._list_wanted = self.aio.run(_make_events(), timeout)
         self.absence = AbsenceWatch()
         self._tasks = [self.aio.submit(self._announcer()), self.aio.submit(self._lister()),
-                       self.aio.submit(self._watch())]
+                       self.aio.submit(self._watch()), self.aio.submit(self._legacy_watch())]
+        log.info("membership level=%d buckets=%d estimate=%.0f in_sight=%d", self.membership.level,
+                 1 << self.membership.level, self.membership.estimate.value, len(self.live))
 
     # ------------------------------------------------------------------ reachability (protocol/reach.py)
     def _learn_reachability(self) -> tuple[bool, str]:
@@ -241,7 +258,8 @@ class Network:
 
         self.state_server = StateServer(self.p2p, self._get_state, self.fingerprint, self.cfg.swarm.run_id,
                                         self.cfg.state_transfer, is_member=self.confirm_member,
-                                        swarm_key=self.swarm_key,
+                                        swarm_key=self.swarm_key, hints_out=self.hints_for,
+                                        hints_in=self.heard,
                                         on_served=lambda **fields: self.emit("state_served", **fields))
         self.aio.run(self.state_server.start(), self.cfg.network.startup_timeout_s)
 
@@ -268,6 +286,17 @@ class Network:
         if time.monotonic() - self.listed_at >= max_age_s:
             self._list_wanted.set()
 
+    def search_begins(self) -> None:
+        """On the loop: a partner search starts; its listings back off from the first (listing_interval_s)."""
+        self._search_listings = 0
+
+    def search_listing(self) -> None:
+        """On the loop, from a partner search with nobody ready in sight: a listing of another bucket, at most
+        every listing_interval_s (0.3 s, doubling up to 4.8 s within one search)."""
+        if time.monotonic() - self.listed_at >= listing_interval_s(self._search_listings + 1):
+            self._search_listings += 1
+            self._list_wanted.set()
+
     async def _announcer(self) -> None:
         every = self.cfg.swarm.announce_ttl_s / 3
         while True:
@@ -279,14 +308,46 @@ class Network:
     async def _lister(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._list_wanted.wait(), LIST_PERIOD_S)
+                await asyncio.wait_for(self._list_wanted.wait(),
+                                       min(LIST_PERIOD_S, self.cfg.swarm.announce_ttl_s / 3))
             self._list_wanted.clear()
-            found = await self.membership.live_peers()
-            # a DHT that did not answer (a frozen or overloaded node) keeps the last listing, minus what expired:
-            # an empty list here would make every partner a stranger to our Exchanger (NOT_MEMBER)
-            self.live = found if found is not None else self.membership.prune(self.live)
+            level = self.membership.level
+            self._take(await self.membership.listing())
+            if self.membership.level != level:
+                log.info("membership level=%d buckets=%d estimate=%.0f (was level %d)", self.membership.level,
+                         1 << self.membership.level, self.membership.estimate.value, level)
+                self._announce_wanted.set()   # store in the buckets of the new level now, not at the next refresh
             self.listed_at = time.monotonic()
             self._keep_attached()
+
+    def _take(self, found: dict[str, PeerRecord] | None) -> None:
+        """Merge records just read into what we know, and drop what expired. A DHT that did not answer (None)
+        leaves what we know, minus what expired: an empty view would make every partner a stranger."""
+        gone = self.membership.withdrawn   # peers whose withdrawal (None) a read just saw
+        known = self.membership.prune({p: r for p, r in {**self.records, **(found or {})}.items() if p not in gone})
+        self.records = known
+        self.live = self.membership.compatible(known)
+
+    async def _legacy_watch(self) -> None:
+        while True:
+            await asyncio.sleep(LEGACY_CHECK_S)
+            self._check_layout(await self.membership.legacy_peers(), starting=False)
+
+    def _check_layout(self, legacy: dict[str, PeerRecord] | None, *, starting: bool) -> None:
+        """Peers of an older gasloc under the single key of the layout before buckets: they cannot see us nor we
+        them, so the swarm would split without a word. Refuse to start; while running, an ERROR per new one."""
+        others = {pid: r for pid, r in (legacy or {}).items() if pid != self.peer_id}
+        new = sorted(set(others) - self.legacy_seen)
+        if not new:
+            return
+        self.legacy_seen |= set(new)
+        version = (status_view(others[new[0]]) or StatusView()).version or "unknown"
+        what = (f"mixed swarm: {len(others)} peer(s) of run {self.cfg.swarm.run_id!r} announce under the single "
+                f"DHT key {self.cfg.swarm.run_id}_peers of an older gasloc (e.g. {new[0]}, version {version}); this "
+                f"version keeps records in bucket keys, so neither side sees the other: upgrade every peer of the run")
+        if starting:
+            raise StartupError(what)
+        log.error("%s", what)
 
     async def _watch(self) -> None:
         while True:
@@ -296,11 +357,12 @@ class Network:
     def refresh_listing(self) -> None:
         """A listing taken now, from the training thread (after a stop, the cached one predates it)."""
         try:
-            found = self.aio.run(self.membership.live_peers(), self.membership.request_timeout_s + 1)
+            found = self.aio.run(self.membership.listing(), self.membership.request_timeout_s + 1)
         except TimeoutError:
             return
         if found is not None:
-            self.live, self.listed_at = found, time.monotonic()
+            self._take(found)
+            self.listed_at = time.monotonic()
 
     @property
     def live(self) -> dict[str, PeerRecord]:
@@ -333,27 +395,65 @@ class Network:
             out[pid] = since + tokens / r.throughput_tps + offset if r.throughput_tps > 0 else now
         return out
 
-    def ready_peers(self) -> dict[str, PeerRecord]:
-        """Compatible peers that were ready to exchange at the last listing (at most LIST_PERIOD_S old)."""
-        return {pid: r for pid, r in self.live.items() if r.state == "exchanging"}
+    def ready_peers(self) -> set[str]:
+        """Compatible peers ready to exchange: listed as such (at most a refresh old), or heard of as ready from a
+        peer we just exchanged headers with (peer exchange, protocol/buckets.py)."""
+        now = time.monotonic()
+        listed = {pid for pid, r in self.live.items() if r.state == "exchanging"}
+        return (listed | self.hints.ready(now)) - {self.peer_id}
+
+    def in_sight(self) -> set[str]:
+        """Every compatible peer we hold a record of, and those others told us about."""
+        return (set(self.live) | set(self.hints.live(time.monotonic()))) - {self.peer_id}
+
+    def hints_for(self, peer: str) -> list[PeerHint]:
+        """What we tell `peer` in an exchange or state header: a handful of live peers, ready ones first."""
+        records = {pid: (r.state, r.round) for pid, r in self.live.items()}
+        return pick_hints(records, self.hints, time.monotonic(), exclude=(peer, self.peer_id))
+
+    def heard(self, peer: str, hints, *, state: str | None = None, round: int = 0) -> None:
+        """Hints from `peer` (a member: its header came after the membership check); with `state`, what we saw
+        of `peer` itself (a caller is searching, so ready)."""
+        now = time.monotonic()
+        self.hints.heard(peer, hints, now)
+        if state is not None:
+            self.hints.saw(peer, state, round, now)
 
     def is_member(self, peer_id: PeerID) -> bool:
+        """Whether we hold a live, compatible record of `peer_id` (no DHT traffic)."""
         return str(peer_id) in self.live
 
     async def confirm_member(self, peer_id: PeerID) -> bool:
-        """On the loop: whether `peer_id` is listed, waiting for at most two fresh listings when our cached one does
-        not name it. A joiner calls its donors right after its first announcement, before their next periodic
-        listing; a stranger costs at most a share of one DHT get (the lister serves every waiter at once)."""
-        deadline = time.monotonic() + LIST_PERIOD_S + self.membership.request_timeout_s
-        # two listings: the first may have been in flight before the caller's announcement reached the DHT
-        for _ in range(2):
-            if self.is_member(peer_id):
-                return True
-            before = self.listed_at
-            self.request_listing()
-            while self.listed_at == before and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-        return self.is_member(peer_id)
+        """On the loop: whether `peer_id` has a live, compatible record. Not in our partial view: its own bucket
+        is looked up (one DHT get when its level is ours; a joiner's first announcement is found at once). A
+        caller found missing is not looked up again for NOT_MEMBER_CACHE_S, so a stranger costs a get at most
+        that often."""
+        pid = str(peer_id)
+        if self.is_member(peer_id):
+            return True
+        now = time.monotonic()
+        if now - self._not_members.get(pid, -1e9) < NOT_MEMBER_CACHE_S:
+            return False
+        rec = await self.membership.find(pid)
+        if rec is not None:
+            self._take({pid: rec})
+        if self.is_member(peer_id):
+            self._not_members.pop(pid, None)
+            return True
+        self._not_members[pid] = now
+        if len(self._not_members) > 1024:
+            self._not_members = {p: t for p, t in self._not_members.items() if now - t < NOT_MEMBER_CACHE_S}
+        return False
+
+    def membership_metrics(self) -> dict:
+        """For each round's metrics line: the swarm-size estimate, our level, what we read from the DHT."""
+        m = self.membership
+        if m is None:
+            return {}
+        read, self._bytes_reported = m.bytes_read - self._bytes_reported, m.bytes_read   # since the last round
+        gets, self._gets_reported = m.gets - self._gets_reported, m.gets
+        return {"swarm_estimate": round(m.estimate.value, 1), "buckets": 1 << m.level, "dht_bytes_read": read,
+                "dht_gets": gets}
 
     # ------------------------------------------------------------------ state transfer
     # A joiner's snapshot is taken only when one asks: a copy of the parameters and the outer state to the CPU is
@@ -395,7 +495,7 @@ class Network:
         an empty listing waits: peers started together see each other at round 0 and start at once."""
         deadline = time.monotonic() + self.cfg.swarm.join_listing_wait_s
         while not self.live and self.cfg.network.initial_peers and time.monotonic() < deadline:
-            time.sleep(LIST_PERIOD_S)
+            time.sleep(JOIN_RELIST_S)
             self.refresh_listing()
         return self.live
 
@@ -426,7 +526,7 @@ class Network:
         log.info("join: downloading state, candidate donors=%d", len(donors))
         coro = download_state(self.p2p, [PeerID.from_base58(d) for d in donors], specs, self.fingerprint,
                               self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs,
-                              swarm_key=self.swarm_key)
+                              swarm_key=self.swarm_key, hints_in=self.heard)
         try:
             metadata, tensors = self.aio.run(coro, self.cfg.swarm.join_timeout_s)
         except TimeoutError:

@@ -35,9 +35,10 @@ Failure semantics (what the daemon may rely on):
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
@@ -50,6 +51,7 @@ from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
 from gasloc.peer.transport.lanes import LaneRegistry, move, open_lanes
 from gasloc.peer.transport.tensor_io import finish_received, in_thread, to_wire, torch_dtype
 from gasloc.protocol.auth import EXCHANGE_ANSWER, EXCHANGE_CALL, PROOF_HEX_CHARS, proof_ok, stream_proof
+from gasloc.protocol.buckets import WIDEST_HINTS, PeerHint, from_wire, wire_hints
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     MAX_STREAMS,
@@ -159,6 +161,11 @@ class _Offer:
     wire_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+async def _maybe_await(v):
+    """A membership check may answer at once (a listing) or after a DHT lookup (a coroutine)."""
+    return await v if inspect.isawaitable(v) else v
+
+
 def _failure(exc: BaseException, phase: str) -> tuple[Outcome, Code | None, str]:
     if isinstance(exc, TimeoutError):
         return Outcome.timeout, Code.TIMEOUT, f"deadline passed during {phase}"
@@ -171,13 +178,18 @@ class Exchanger:
     """Serves and initiates exchanges of the currently offered tensors. Call every method from the event loop."""
 
     def __init__(self, cfg: ExchangeConfig, p2p: P2P, *, specs: Sequence[SpecLike], fingerprint: str,
-                 is_member: Callable[[PeerID], bool], namespace: str,
-                 declines: Callable[[PeerID], str | None] = lambda peer_id: None, swarm_key: bytes | None = None):
+                 is_member: Callable[[PeerID], bool | Awaitable[bool]], namespace: str,
+                 declines: Callable[[PeerID], str | None] = lambda peer_id: None, swarm_key: bytes | None = None,
+                 hints_out: Callable[[str], Sequence[PeerHint]] | None = None,
+                 hints_in: Callable[..., None] | None = None):
         self.cfg, self.p2p = cfg, p2p
         self.specs = [s if isinstance(s, TensorSpec) else TensorSpec.of(*s) for s in specs]
         self.fingerprint, self.is_member = fingerprint, is_member
         self.declines = declines       # partner policy: a reason to answer a valid caller busy, or None
         self.swarm_key = swarm_key     # a private swarm's secret: every exchange proves it (protocol/auth.py)
+        # peer exchange (protocol/buckets.py): what we tell a member in our headers, and what it told us
+        self.hints_out = hints_out or (lambda partner: ())
+        self.hints_in = hints_in or (lambda partner, hints, **seen: None)
         self.handler_name = f"{namespace}::gasloc.exchange.v{PROTOCOL_VERSION}"
         self.lane_name = f"{namespace}::gasloc.exchange-lane.v{PROTOCOL_VERSION}"
         self._lanes = LaneRegistry(hello_timeout_s=cfg.accept_timeout_s)
@@ -185,11 +197,11 @@ class Exchanger:
         # the longest header we read: our own request or reply for these specs, fully filled, plus slack
         widest = ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint="f" * 128, round=2**62,
                                  wire_dtype="bfloat16", specs=tuple(self.specs), total_bytes=2**62,
-                                 streams=MAX_STREAMS, auth="a" * PROOF_HEX_CHARS)
+                                 streams=MAX_STREAMS, auth="a" * PROOF_HEX_CHARS, peers=WIDEST_HINTS)
         self.max_header_bytes = header_cap(ExchangeReply(
             protocol_version=PROTOCOL_VERSION, code=0, message="m" * 512, fingerprint=widest.fingerprint,
             round=widest.round, wire_dtype=widest.wire_dtype, specs=widest.specs, total_bytes=widest.total_bytes,
-            token="t" * 64, auth=widest.auth))
+            token="t" * 64, auth=widest.auth, peers=WIDEST_HINTS))
         self.rejected_unread = 0       # callers closed before a byte was read (over the handler cap)
         self._local_dtypes = [torch_dtype(s.dtype) for s in self.specs]
         self._offer: _Offer | None = None
@@ -306,7 +318,7 @@ class Exchanger:
         if offer.used or self._engagement is not None:
             why = "our offer was already used this round" if offer.used else f"we are engaged ({self._engagement})"
             return result(Outcome.busy, Code.BUSY, f"local: {why}")
-        if not self.is_member(peer_id):
+        if not await _maybe_await(self.is_member(peer_id)):
             return result(Outcome.rejected, Code.NOT_MEMBER, "local: partner is not a live member")
         eng = self._engagement = _Engagement("initiator", partner, asyncio.current_task())
         me = self._me()
@@ -325,9 +337,12 @@ class Exchanger:
                     request = ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint=self.fingerprint,
                                               round=offer.round, wire_dtype=self.cfg.wire_dtype,
                                               specs=tuple(self.specs), total_bytes=total, streams=lanes,
-                                              auth=self._proof(EXCHANGE_CALL, me, partner))
+                                              auth=self._proof(EXCHANGE_CALL, me, partner),
+                                              peers=wire_hints(self.hints_out(partner)))
                     await channels[0].write(encode_header(request))
                     reply = await read_header(channels[0], ExchangeReply, self.max_header_bytes)
+                    if reply.code != int(Code.NOT_MEMBER):   # a BUSY answer tells us of others, too
+                        self.hints_in(partner, from_wire(reply.peers))
                     code, why = check_reply(reply, expected_specs=self.specs, fingerprint=self.fingerprint,
                                             max_bytes=self.max_message_bytes)
                     if code == Code.BUSY:
@@ -388,10 +403,12 @@ class Exchanger:
             self._handlers.discard(task)
             ch.close()
 
-    async def _reply(self, ch: Channel, partner: str, code: Code, message: str) -> None:
+    async def _reply(self, ch: Channel, partner: str, code: Code, message: str, member: bool = True) -> None:
         log.debug("exchange role=responder partner=%s answer=%s detail=%r", partner, code.name, message)
+        # a member answered BUSY learns of other peers (peer exchange); a stranger learns nothing
         reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(code), message=message[:500],
-                              fingerprint=self.fingerprint)
+                              fingerprint=self.fingerprint,
+                              peers=wire_hints(self.hints_out(partner)) if member else ())
         try:
             async with asyncio.timeout(self.cfg.accept_timeout_s):
                 await ch.write(encode_header(reply))
@@ -403,8 +420,9 @@ class Exchanger:
         partner = str(peer_id)
         t0 = time.monotonic()
         # the caller's transport identity (authenticated by p2pd's TLS/Noise) first, before reading anything
-        if not self.is_member(peer_id):
-            return await self._reply(ch, partner, Code.NOT_MEMBER, "you are not a live member of this run")
+        if not await _maybe_await(self.is_member(peer_id)):
+            return await self._reply(ch, partner, Code.NOT_MEMBER, "you are not a live member of this run",
+                                     member=False)
         try:
             async with asyncio.timeout(self.cfg.accept_timeout_s):
                 request = await read_header(ch, ExchangeRequest, self.max_header_bytes)
@@ -423,6 +441,8 @@ class Exchanger:
             return await self._reply(ch, partner, Code.NOT_AUTHORIZED, "no valid proof of this swarm's key")
         code, why = check_request(request, expected_specs=self.specs, fingerprint=self.fingerprint,
                                   max_bytes=self.max_message_bytes)
+        if code == Code.OK:   # a compatible caller is searching for a partner: ready, worth telling others of
+            self.hints_in(partner, from_wire(request.peers), state="exchanging", round=request.round)
         if code != Code.OK:
             return await self._reply(ch, partner, code, why)
         offer = self._offer
@@ -444,7 +464,8 @@ class Exchanger:
                                       fingerprint=self.fingerprint, round=offer.round, wire_dtype=self.cfg.wire_dtype,
                                       specs=tuple(self.specs),
                                       total_bytes=payload_bytes(self.specs, self.cfg.wire_dtype), token=token,
-                                      auth=self._proof(EXCHANGE_ANSWER, partner, me))
+                                      auth=self._proof(EXCHANGE_ANSWER, partner, me),
+                                      peers=wire_hints(self.hints_out(partner)))
                 await ch.write(encode_header(reply))
                 if lane_waiters:
                     phase = "waiting for lanes"

@@ -35,6 +35,7 @@ from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
 from gasloc.peer.transport.exchange import SpecLike
 from gasloc.peer.transport.tensor_io import byte_view, in_thread, is_finite, torch_dtype
 from gasloc.protocol.auth import PROOF_HEX_CHARS, STATE_ANSWER, STATE_CALL, proof_ok, stream_proof
+from gasloc.protocol.buckets import WIDEST_HINTS, PeerHint, from_wire, wire_hints
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import PROTOCOL_VERSION, StateReply, StateRequest, TensorSpec, payload_bytes
 from gasloc.protocol.wire import SMALL_HEADER_BYTES, WireError, check_state_reply, encode_header, header_cap
@@ -81,12 +82,17 @@ class StateServer:
 
     def __init__(self, p2p: P2P, get_state: GetState, fingerprint: str, namespace: str,
                  cfg: StateTransferConfig | None = None, *, is_member: Callable[[PeerID], Awaitable[bool]],
-                 swarm_key: bytes | None = None, on_served: Callable[..., None] | None = None):
+                 swarm_key: bytes | None = None, on_served: Callable[..., None] | None = None,
+                 hints_out: Callable[[str], Sequence[PeerHint]] | None = None,
+                 hints_in: Callable[..., None] | None = None):
         self.p2p, self.get_state, self.fingerprint = p2p, get_state, fingerprint
         self.on_served = on_served or (lambda **fields: None)  # one call per served download (metrics)
         self.cfg = cfg or StateTransferConfig()
         self.name = handler_name(namespace)
         self.is_member, self.swarm_key = is_member, swarm_key
+        # peer exchange (protocol/buckets.py): a joiner learns of live peers from its donor's every answer
+        self.hints_out = hints_out or (lambda joiner: ())
+        self.hints_in = hints_in or (lambda joiner, hints, **seen: None)
         self._served_at: OrderedDict[str, float] = OrderedDict()   # joiner -> when it last got a whole state
         self.bytes_served = 0
         self._serving = False
@@ -107,9 +113,11 @@ class StateServer:
             except (TimeoutError, KeyError, *STREAM_ERRORS) as e:
                 log.debug("remove_handler name=%s error=%s: %s", self.name, type(e).__name__, e)
 
-    async def _reply(self, ch: Channel, code: Code, message: str) -> None:
+    async def _reply(self, ch: Channel, code: Code, message: str, joiner: str | None = None) -> None:
+        """An answer without state; with `joiner` (a member), it carries our hints too."""
         reply = StateReply(protocol_version=PROTOCOL_VERSION, code=int(code), message=message[:500],
-                           fingerprint=self.fingerprint)
+                           fingerprint=self.fingerprint,
+                           peers=() if joiner is None else wire_hints(self.hints_out(joiner)))
         await ch.write(encode_header(reply))
         await ch.discard_until_eof(timeout=1.0)
 
@@ -146,8 +154,9 @@ class StateServer:
                     ago = time.monotonic() - last
                     return await self._reply(ch, Code.RATE_LIMITED, f"you got my whole state {ago:.0f} s ago; at "
                                              f"most one per {self.cfg.min_request_interval_s:.0f} s")
+                self.hints_in(joiner, from_wire(request.peers))
                 if self._serving:
-                    return await self._reply(ch, Code.BUSY, "serving another joiner")
+                    return await self._reply(ch, Code.BUSY, "serving another joiner", joiner)
                 self._serving = True
                 try:
                     await self._serve(ch, joiner, me)
@@ -170,7 +179,8 @@ class StateServer:
             state = await state
         if state is None:
             log.info("state_serve joiner=%s outcome=BUSY detail=no snapshot before the round boundary", joiner)
-            return await self._reply(ch, Code.BUSY, "state snapshot is taken at our next round boundary; ask again")
+            return await self._reply(ch, Code.BUSY, "state snapshot is taken at our next round boundary; ask again",
+                                     joiner)
         metadata, tensors = state
         tensors = [t.detach().contiguous() for t in tensors]
         digest = await in_thread(_payload_digest, tensors)
@@ -179,7 +189,8 @@ class StateServer:
                            round=int(metadata.get("round", 0)), num_outer=int(metadata.get("num_outer", 0)),
                            metadata=metadata, specs=specs, total_bytes=payload_bytes(specs), sha256=digest,
                            auth="" if self.swarm_key is None else stream_proof(self.swarm_key, STATE_ANSWER, joiner,
-                                                                                  me))
+                                                                                  me),
+                           peers=wire_hints(self.hints_out(joiner)))
         await ch.write(encode_header(reply))
         self._remember_served(joiner)     # counts from the first payload byte: a cut transfer also used us
         for t in tensors:
@@ -204,12 +215,13 @@ def _reply_cap(specs: list[TensorSpec]) -> int:
     return header_cap(StateReply(protocol_version=PROTOCOL_VERSION, code=0, message="m" * 512, fingerprint="f" * 128,
                                  round=2**62, num_outer=2**62, metadata={"m" * 64: "m" * 512},
                                  specs=tuple(TensorSpec(shape=s.shape, dtype="bfloat16") for s in specs),
-                                 total_bytes=2**62, sha256="s" * 64, auth="a" * PROOF_HEX_CHARS))
+                                 total_bytes=2**62, sha256="s" * 64, auth="a" * PROOF_HEX_CHARS, peers=WIDEST_HINTS))
 
 
 async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorSpec],
                          outer_specs: list[TensorSpec] | None, fingerprint: str, cfg: StateTransferConfig,
-                         swarm_key: bytes | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+                         swarm_key: bytes | None = None, hints_in: Callable[..., None] | None = None
+                         ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     ch: Channel | None = None
     me, them = p2p.peer_id.to_base58(), donor.to_base58()
     try:
@@ -221,6 +233,8 @@ async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorS
                     protocol_version=PROTOCOL_VERSION, fingerprint=fingerprint,
                     auth="" if swarm_key is None else stream_proof(swarm_key, STATE_CALL, me, them))))
                 reply = await read_header(ch, StateReply, _reply_cap(specs + (outer_specs or [])))
+            if hints_in is not None and reply.code != int(Code.NOT_MEMBER):
+                hints_in(them, from_wire(reply.peers))
             cap = cfg.max_state_bytes or payload_bytes(specs + (outer_specs or []))
             code, why = check_state_reply(reply, expected_specs=specs, outer_specs=outer_specs,
                                           fingerprint=fingerprint, max_bytes=cap)
@@ -256,8 +270,8 @@ class StateDownloadError(Exception):
 
 async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[SpecLike], fingerprint: str,
                          cfg: StateTransferConfig, namespace: str, *,
-                         outer_specs: Sequence[SpecLike] | None = None, swarm_key: bytes | None = None
-                         ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+                         outer_specs: Sequence[SpecLike] | None = None, swarm_key: bytes | None = None,
+                         hints_in: Callable[..., None] | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """The state of the first donor (in the given order) that delivers a verified one: (metadata, tensors).
 
     `tensors` are the parameters (matching `specs`) followed, when the donor served outer state and `outer_specs`
@@ -270,7 +284,8 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
     failures: list[str] = []
     pending = list(donors)
     while pending:
-        busy = await _try_donors(p2p, pending, namespace, want, want_outer, fingerprint, cfg, failures, swarm_key)
+        busy = await _try_donors(p2p, pending, namespace, want, want_outer, fingerprint, cfg, failures, swarm_key,
+                                 hints_in)
         if isinstance(busy, tuple):
             return busy
         # a BUSY donor serves another joiner or takes our snapshot at its next round boundary: ask it again (the
@@ -283,7 +298,7 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
 
 async def _try_donors(p2p: P2P, donors: Sequence[PeerID], namespace: str, want: list[TensorSpec],
                       want_outer: list[TensorSpec] | None, fingerprint: str, cfg: StateTransferConfig,
-                      failures: list[str], swarm_key: bytes | None
+                      failures: list[str], swarm_key: bytes | None, hints_in: Callable[..., None] | None = None
                       ) -> tuple[dict[str, Any], list[torch.Tensor]] | list[PeerID]:
     """One pass over the donors: the first verified state, else the donors that answered BUSY."""
     busy = []
@@ -291,7 +306,7 @@ async def _try_donors(p2p: P2P, donors: Sequence[PeerID], namespace: str, want: 
         t0 = time.monotonic()
         try:
             metadata, tensors = await _download_from(p2p, donor, handler_name(namespace), want, want_outer,
-                                                     fingerprint, cfg, swarm_key)
+                                                     fingerprint, cfg, swarm_key, hints_in)
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
             code = e.code.name if isinstance(e, WireError) else ("TIMEOUT" if isinstance(e, TimeoutError) else
                                                                    "FAILED")

@@ -20,7 +20,7 @@ def main() -> None:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
 
-    from gasloc.peer.swarm.membership import make_validators, parse_listing, peers_key
+    from gasloc.peer.swarm.membership import bucket_key, make_validators, parse_listing
     from gasloc.runtime.safeproc import SafeDHT, remove_own_shm
 
     # the validators also strip the records' signatures: without them hivemind cannot decode a signed value
@@ -28,8 +28,12 @@ def main() -> None:
                   host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=make_validators(args.run_id)[1])
     try:
         while not stopping:
-            found = dht.get(peers_key(args.run_id), latest=True)
-            peers = {pid: r.dict() for pid, r in parse_listing(found, time.time()).items()}
+            # an e2e swarm (a dozen peers at most) sits at level 0 or 1 (protocol/buckets.py): every record has a
+            # copy in level 0's one bucket or in one of level 1's two
+            peers = {}
+            for level, bucket in ((0, 0), (1, 0), (1, 1)):
+                found = dht.get(bucket_key(args.run_id, level, bucket), latest=True)
+                peers.update({pid: r.dict() for pid, r in parse_listing(found, time.time()).items()})
             tmp = f"{args.out}.tmp"
             with open(tmp, "w") as f:
                 json.dump({"time": time.time(), "peers": peers}, f)

@@ -180,6 +180,38 @@ def test_logs_swarm_size_of_the_run(harness):
             d.shutdown()
 
 
+def test_a_peer_refuses_to_start_in_a_swarm_of_single_key_peers(harness):
+    """A peer of gasloc before buckets announces under the single key <run>_peers; a newer peer would not see it
+    (nor it the newer one), so the newer one refuses to start with one line that says why."""
+    import asyncio
+
+    import hivemind
+    from hivemind.p2p import P2P
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from e2e.swarm_helpers import RUN_ID, write_config
+    from gasloc.peer.swarm.membership import Membership, load_identity, make_validators, peers_key
+
+    boot = harness.bootstrap("boot", "--run-id", RUN_ID)
+    key = harness.dir("old") / "identity.key"
+    P2P.generate_identity(str(key))
+    signer, validators = make_validators(RUN_ID, load_identity(key))
+    dht = hivemind.DHT(initial_peers=boot.maddrs, start=True, host_maddrs=[LOOPBACK], record_validators=validators,
+                       identity_path=str(key))
+    try:
+        old = Membership(dht, signer, run_id=RUN_ID, peer_id=str(dht.peer_id), fingerprint="f", protocol=1, ttl_s=120)
+        rec = old.record(state="training", round=3, throughput_tps=1.0, bandwidth_bps=0.0)
+        # exactly what the older peer stored: its record as a subkey of the one key
+        assert asyncio.run(old._store(peers_key(RUN_ID), rec.dict(), get_dht_time() + 120))
+        r = harness.run("peer", "--config", write_config(harness), "--initial-peers", boot.maddrs[0],
+                        "--host-maddrs", LOOPBACK, "--run-dir", harness.dir("new"), timeout_s=180)
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert f"mixed swarm: 1 peer(s) of run '{RUN_ID}' announce under the single DHT key {RUN_ID}_peers" in r.stderr
+        assert "upgrade every peer of the run" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        dht.shutdown()
+
+
 def test_bad_config_is_one_line_exit_2(harness, tmp_path):
     cfg = tmp_path / "boot.toml"
     cfg.write_text('prot = 5\n')

@@ -104,11 +104,13 @@ def test_metrics_status_and_live_page_of_a_four_peer_swarm(harness, bootstrap, t
         assert 1 <= p["round"] <= rounds(h, n)[-1]["round"] + 1, (n, p, rounds(h, n)[-1])
         assert p["state"] in ("training", "exchanging") and p["loss"] is not None and p["version"], p
     assert snap["totals"]["peers"] == 4 and snap["totals"]["tokens_per_s"] > 0, snap["totals"]
+    # four peers fit one bucket (protocol/buckets.py): status reads the whole swarm and says so
+    assert snap["sampled"] is False and snap["sampling"]["buckets_read"] == snap["sampling"]["buckets"], snap["sampling"]
     res = h.run("status", "--initial-peers", bootstrap[0], "--run-id", RUN_ID, timeout_s=90)
     assert res.returncode == 0, res.stderr
     for n in names:
         assert short(ids[n]) in res.stdout, res.stdout
-    assert "4 peers" in res.stdout and "own claim" in res.stdout, res.stdout
+    assert "4 peers" in res.stdout and "own claim" in res.stdout and "read all" in res.stdout, res.stdout
 
     # 4. the live page and its JSON
     page = h.start("page", "status", "--initial-peers", bootstrap[0], "--run-id", RUN_ID, "--serve", "0",

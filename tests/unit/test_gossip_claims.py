@@ -22,7 +22,10 @@ class _Net:
         self.live = live
 
     def ready_peers(self):
-        return {p: r for p, r in self.live.items() if r.state == "exchanging"}
+        return {p for p, r in self.live.items() if r.state == "exchanging"}
+
+    def in_sight(self):
+        return set(self.live)   # no peer-exchange hints here: the records are the whole view
 
     def ready_at(self, now):
         return {}  # nobody training: every peer here announces "exchanging"

@@ -2,11 +2,15 @@
 peers are set, so a joiner whose DHT node does not know the swarm yet does not start from the seed model."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from gasloc.peer.config import PeerConfig
 from gasloc.peer.swarm import network as network_mod
 from gasloc.peer.swarm.network import Network
+
+REC = SimpleNamespace(state="training", round=3, time=100.0)
 
 
 def _net(initial_peers: list[str], listings: list[dict], wait_s: float = 3.0) -> tuple[Network, list[int]]:
@@ -14,6 +18,7 @@ def _net(initial_peers: list[str], listings: list[dict], wait_s: float = 3.0) ->
     cfg = PeerConfig()
     cfg.network.initial_peers = initial_peers
     cfg.swarm.join_listing_wait_s = wait_s
+    net._entered = {}
     net.cfg, net.live = cfg, {}
     calls = [0]
 
@@ -27,25 +32,25 @@ def _net(initial_peers: list[str], listings: list[dict], wait_s: float = 3.0) ->
 
 @pytest.fixture(autouse=True)
 def fast_period(monkeypatch):
-    monkeypatch.setattr(network_mod, "LIST_PERIOD_S", 0.01)
+    monkeypatch.setattr(network_mod, "JOIN_RELIST_S", 0.01)
 
 
 def test_an_empty_first_listing_is_taken_again_until_the_swarm_shows():
-    net, calls = _net(["/ip4/127.0.0.1/tcp/1/p2p/QmBoot"], [{}, {}, {"peerA": "record"}])
-    assert net._first_listing() == {"peerA": "record"}
+    net, calls = _net(["/ip4/127.0.0.1/tcp/1/p2p/QmBoot"], [{}, {}, {"peerA": REC}])
+    assert net._first_listing() == {"peerA": REC}
     assert calls[0] == 3
 
 
 def test_no_initial_peers_means_a_new_swarm_and_no_wait():
-    net, calls = _net([], [{"peerA": "record"}])
+    net, calls = _net([], [{"peerA": REC}])
     assert net._first_listing() == {}
     assert calls[0] == 0
 
 
 def test_a_listing_that_names_anyone_is_used_at_once():
     net, calls = _net(["/ip4/127.0.0.1/tcp/1/p2p/QmBoot"], [])
-    net.live = {"peerB": "record"}
-    assert net._first_listing() == {"peerB": "record"}
+    net.live = {"peerB": REC}
+    assert net._first_listing() == {"peerB": REC}
     assert calls[0] == 0
 
 

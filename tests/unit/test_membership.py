@@ -14,6 +14,7 @@ from gasloc.peer.swarm.membership import (
     IdentityError,
     Membership,
     PeerRecord,
+    bucket_key,
     compatible,
     load_identity,
     make_validators,
@@ -35,7 +36,8 @@ def _record(**over) -> dict:
 
 def _dht_record(validator: CompositeValidator, signer, value, subkey=None, key=None) -> DHTRecord:
     """A record as DHTNode.store builds it: key id, msgpack subkey and value, then signed by our validators."""
-    rec = DHTRecord(key=DHTID.generate(source=key or peers_key(RUN)).to_bytes(),
+    # records live in bucket keys (protocol/buckets.py); every one of them is schema-checked like the old single key
+    rec = DHTRecord(key=DHTID.generate(source=key or bucket_key(RUN, 3, 5)).to_bytes(),
                     subkey=ser.dumps(subkey if subkey is not None else signer.local_public_key),
                     value=ser.dumps(value), expiration_time=time.time() + 30)
     return DHTRecord(rec.key, rec.subkey, validator.sign_value(rec), rec.expiration_time)
@@ -207,3 +209,12 @@ def test_a_nan_loss_is_announced_as_none():
     m = Membership(None, _Signer(), run_id=RUN, peer_id="12D3KooWA", fingerprint="abc", protocol=1, ttl_s=15)
     rec = m.record(state="training", round=1, throughput_tps=1.0, bandwidth_bps=0.0, loss=float("nan"), round_s=2.0)
     assert rec.view["loss"] is None and rec.view["round_s"] == 2.0
+
+
+@pytest.mark.parametrize("key", [bucket_key(RUN, 0, 0), bucket_key(RUN, 10, 1023), peers_key(RUN)])
+def test_every_bucket_key_and_the_old_single_key_are_schema_checked(two_peers, key):
+    """A malformed record is refused in any bucket of any level, and under the older layout's key (which is read
+    to notice peers of that layout)."""
+    (sig_a, val_a), (_, val_b) = two_peers
+    assert val_b.validate(_dht_record(val_a, sig_a, _record(), key=key))
+    assert not val_b.validate(_dht_record(val_a, sig_a, _record(round=3.0), key=key))

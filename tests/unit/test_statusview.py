@@ -60,3 +60,19 @@ def test_history_keeps_one_point_per_round_and_expires_edges():
     assert {(e["a"], e["b"]) for e in j["edges"]} == {("A", "B"), ("A", "C")}
     h.add(snapshot({"A": rec("A", 3, 0.0, {"loss": 2.7, "partners": ["B", "C"]})}, run_id="r", now=12.0))
     assert {(e["a"], e["b"]) for e in h.to_json()["edges"]} == {("A", "C")}  # A-B last seen at t=1: expired
+
+
+def test_a_sampled_snapshot_says_how_much_of_the_swarm_it_shows():
+    from rich.console import Console
+
+    from gasloc.cli.statusview import sampling_line
+
+    records = {"A": rec("A", 5, 99.0), "B": rec("B", 5, 99.0)}
+    sampled = snapshot(records, run_id="r", now=100.0, sampling={"buckets_read": 4, "buckets": 16, "estimate": 131.6})
+    assert sampled["sampled"] is True and sampled["sampling"]["buckets"] == 16
+    assert sampling_line(sampled) == "sampled 4 of 16 buckets, ~132 peers estimated"
+    whole = snapshot(records, run_id="r", now=100.0, sampling={"buckets_read": 2, "buckets": 2, "estimate": 2.0})
+    assert whole["sampled"] is False and sampling_line(whole) == "read all 2 bucket(s) of the swarm"
+    console = Console(width=200, record=True)
+    console.print(render_table(sampled, ["/ip4/1.2.3.4/tcp/1/p2p/X"]))
+    assert "sampled 4 of 16 buckets, ~132 peers estimated" in console.export_text()

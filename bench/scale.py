@@ -1,0 +1,391 @@
+"""Membership at scale (issue 13 items 1-2): what one searching peer reads from the DHT, and spends in CPU, to find
+a ready partner among N members, with bucketed records against the single key of the layout before them.
+
+Everything DHT-side is real and runs the peer's own code: `--dht-nodes` hivemind DHT processes (each with its
+p2pd) hold the records; N members' records, each signed with the member's own RSA-2048 key, are written through
+`Membership.announce` (the peer's class; one writer node signs for every member, `MultiSigner`, since a DHT node
+signs with the keys its validators hold); the searching peer runs its own DHT process with the peer's validators
+(`make_validators`) and reads through `BucketReader` (listing, find) or, for the old design, a get of the single
+key, parsed by `parse_listing` in both cases; peer exchange is the peer's `HintBook` / `merge_view` / `pick_hints`.
+
+What is modelled, not run: the members themselves. Each has a fixed record: "exchanging" (ready) with probability
+`--ready-share`, else "training". A call to a ready member finds it free with probability 1 - `--busy-share`
+(it may have paired meanwhile), after `--call-s` (a handshake); a busy member answers with the hints a peer
+holding two buckets of records would send (`pick_hints` over them). The callee's membership check of the searcher
+is real: a `find` of the searcher's record in its bucket from another DHT node, counted in the searcher's bytes
+(it is the price of its call).
+
+One search (one round of a searching peer):
+  buckets     list one bucket of our level (the background refresh a round sees); while no ready peer is in
+              sight, another bucket after listing_interval_s (0.3 s, doubling); call a ready peer from the
+              listing or from hints (a hinted peer's record is looked up first, one get), until one is free or
+              --deadline-s passes
+  single-key  the peer before buckets: list the whole key (the first listing of the search), then every 0.3 s
+              while nobody ready is free
+Figures per design and N: dht_bytes_per_round (searcher's gets + the callee's check of it, entry_bytes),
+cpu_ms_per_round (CPU of the searcher's DHT process and its p2pd, plus the bench thread's parsing, per search),
+partner_found_s_median (over the searches that found one), partner_found_share, and the startup probe's bytes.
+The single key is expected to fail at ~4,000 records (one response over p2pd's 4 MiB message limit): its row
+then carries `error`.
+
+    python bench/scale.py --json scale.json                         # N = 10, 100, 1000, 5000
+    python bench/scale.py --members 10,100 --searches 5 --dht-nodes 3 --json quick.json
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+KEY_BITS = 2048
+
+
+# ---------------------------------------------------------------------------------------------------- keys
+def _gen_key(_i: int) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    key = rsa.generate_private_key(public_exponent=65537, key_size=KEY_BITS)
+    return key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL,
+                             serialization.NoEncryption())
+
+
+def load_keys(path: Path, n: int) -> list:
+    """n RSA keys, generated once (50 ms of CPU each) and kept in `path` for the next run."""
+    import multiprocessing as mp
+
+    from cryptography.hazmat.primitives import serialization
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    ders: list[bytes] = []
+    if path.exists():
+        blob = path.read_bytes()
+        i = 0
+        while i < len(blob):
+            size = int.from_bytes(blob[i:i + 4], "big")
+            ders.append(blob[i + 4:i + 4 + size])
+            i += 4 + size
+    if len(ders) < n:
+        t0 = time.monotonic()
+        with mp.get_context("fork").Pool(max(1, min(4, os.cpu_count() or 1))) as pool:
+            ders += pool.map(_gen_key, range(n - len(ders)), chunksize=16)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"".join(len(d).to_bytes(4, "big") + d for d in ders))
+        print(f"generated {n} RSA-{KEY_BITS} keys in {time.monotonic() - t0:.0f} s -> {path}", file=sys.stderr)
+    keys = []
+    for der in ders[:n]:
+        k = RSAPrivateKey.__new__(RSAPrivateKey)
+        k._private_key = serialization.load_der_private_key(der, password=None)
+        keys.append(k)
+    return keys
+
+
+def _multi_signer(signers):
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    class MultiSigner(RSASignatureValidator):
+        """Signs each record with the key of the member whose public key its subkey holds (one writer node
+        stores for every member); validates and strips like the validator every peer runs."""
+
+        def __init__(self, signers):
+            super().__init__(signers[0]._private_key)
+            self.by_key = {s.local_public_key: s for s in signers}
+
+        def sign_value(self, record):
+            for found in self._PUBLIC_KEY_RE.findall(record.subkey or b""):
+                s = self.by_key.get(self.PUBLIC_KEY_FORMAT.replace(b"_key_", found))
+                if s is not None:
+                    return s.sign_value(record)
+            return record.value
+
+    return MultiSigner(signers)
+
+
+# ---------------------------------------------------------------------------------------------------- CPU
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its descendants (the DHT process and its p2pd)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for t in Path(f"/proc/{p}/task").iterdir():
+                stack += [int(c) for c in (t / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------- swarm
+class Bench:
+    def __init__(self, o: dict):
+        self.o = o
+        self.rng = random.Random(o["seed"])
+        self.nodes: list = []
+        self.workdir = Path(tempfile.mkdtemp(prefix="gasloc-scale-"))
+
+    def start(self, run_ids: list[str], keys: list) -> None:
+        from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.p2p import P2P
+
+        from gasloc.peer.swarm.membership import BucketSchemaValidator, load_identity
+        from gasloc.runtime.safeproc import SafeDHT
+
+        schemas = [BucketSchemaValidator(r) for r in run_ids]
+        local = ["/ip4/127.0.0.1/tcp/0"]
+        first = None
+        for _ in range(self.o["dht_nodes"]):
+            d = SafeDHT(initial_peers=first, start=True, host_maddrs=local,
+                        record_validators=[RSASignatureValidator(), *schemas])
+            first = first or [str(m) for m in d.get_visible_maddrs()]
+            self.nodes.append(d)
+        self.initial = first
+        self.member_signers = [RSASignatureValidator(k) for k in keys]
+        # the writer signs for every member; client mode: it stores on the holders, holds nothing itself
+        self.writer = SafeDHT(initial_peers=first, start=True, host_maddrs=local, client_mode=True,
+                              record_validators=[_multi_signer(self.member_signers), *schemas])
+        # the searching peer: its own libp2p identity, the validators a peer runs
+        ident = self.workdir / "searcher.key"
+        P2P.generate_identity(str(ident))
+        self.searcher_signer = RSASignatureValidator(load_identity(ident))
+        self.searcher = SafeDHT(initial_peers=first, start=True, host_maddrs=local, client_mode=True,
+                                identity_path=str(ident), record_validators=[self.searcher_signer, *schemas])
+
+    def stop(self) -> None:
+        for d in [*self.nodes, getattr(self, "writer", None), getattr(self, "searcher", None)]:
+            if d is not None:
+                d.shutdown()
+
+    # ------------------------------------------------------------------ populate
+    async def populate(self, run_id: str, n: int) -> dict[str, str]:
+        """N members' records, in both layouts: bucket keys through Membership.announce at the level a converged
+        swarm of N holds, and the single key as gasloc before buckets stored it. Returns peer id -> state."""
+        from gasloc.peer.swarm.membership import Membership, entry_bytes, peer_id_of, peers_key
+        from gasloc.protocol.buckets import level_for
+
+        level = level_for(n)
+        truth: dict[str, str] = {}
+        members = []
+        for s in self.member_signers[:n]:
+            pid = peer_id_of(s.local_public_key)
+            m = Membership(self.writer, s, run_id=run_id, peer_id=pid, fingerprint="bench", protocol=1,
+                           ttl_s=self.o["ttl_s"], request_timeout_s=30.0)
+            m.level = level
+            state = "exchanging" if self.rng.random() < self.o["ready_share"] else "training"
+            truth[pid] = state
+            members.append((m, m.record(state=state, round=10, throughput_tps=1000.0, bandwidth_bps=1e7,
+                                        loss=3.2, val_loss=3.3, round_s=12.0, partners=[])))
+
+        async def old_store(m, rec):
+            exp = time.time() + self.o["ttl_s"]
+            return await m._store(peers_key(run_id), rec.dict(), exp)
+
+        from hivemind.utils.timed_storage import ValueWithExpiration
+        m, rec = members[0]
+        self.entry_size = entry_bytes(ValueWithExpiration({m.subkey: ValueWithExpiration(rec.dict(), 0.0)}, 0.0))
+        failed = 0
+        for i in range(0, n, 64):
+            batch = members[i:i + 64]
+            oks = await asyncio.gather(*(m.announce(r) for m, r in batch), *(old_store(m, r) for m, r in batch))
+            failed += sum(not ok for ok in oks)
+        if failed:
+            print(f"N={n}: {failed} stores not accepted", file=sys.stderr)
+        return truth
+
+    # ------------------------------------------------------------------ one search, bucketed
+    def _callee_hints(self, truth: dict[str, str], by_bucket: dict[int, list[str]], level: int, callee: str):
+        """What a busy member tells us: pick_hints over the records a peer holds (two buckets of its level)."""
+        from gasloc.protocol.buckets import HintBook, bucket_of, pick_hints
+
+        mine = {bucket_of(callee, level), self.rng.randrange(1 << level)}
+        view = {p: (truth[p], 10) for b in mine for p in by_bucket.get(b, [])}
+        return pick_hints(view, HintBook(callee), time.monotonic(), exclude=(callee,), rng=self.rng)
+
+    async def search_buckets(self, reader, responder, me: str, truth: dict[str, str],
+                             by_bucket: dict[int, list[str]], level: int) -> dict:
+        from gasloc.protocol.buckets import HintBook, listing_interval_s, merge_view
+
+        o = self.o
+        book = HintBook(me)
+        view: dict = {}
+        tried: set[str] = set()
+        listings = 0
+        t0 = time.monotonic()
+        next_listing = t0
+        while time.monotonic() - t0 < o["deadline_s"]:
+            now = time.monotonic()
+            _, ready = merge_view({p: (r.state, r.round) for p, r in view.items()}, book, now)
+            cands = sorted(ready - tried - {me})
+            if not cands:
+                if now >= next_listing:
+                    view.update(reader.prune(await reader.listing() or {}))
+                    listings += 1
+                    next_listing = time.monotonic() + listing_interval_s(listings)
+                else:
+                    await asyncio.sleep(min(0.05, next_listing - now))
+                continue
+            peer = self.rng.choice(cands)
+            tried.add(peer)
+            if peer not in view:                 # a hinted peer: its record first (the initiator's check)
+                rec = await reader.find(peer)
+                if rec is None:
+                    continue
+                view[peer] = rec
+            if await responder.find(me) is None:  # the callee's check of us, in our bucket
+                return {"found": False, "s": None, "listings": listings, "error": "searcher not found by callee"}
+            await asyncio.sleep(o["call_s"])
+            if truth.get(peer) == "exchanging" and self.rng.random() >= o["busy_share"]:
+                return {"found": True, "s": time.monotonic() - t0, "listings": listings}
+            book.heard(peer, self._callee_hints(truth, by_bucket, level, peer), time.monotonic())
+        return {"found": False, "s": None, "listings": listings}
+
+    # ------------------------------------------------------------------ one search, single key
+    async def search_single(self, reader, me: str, truth: dict[str, str]) -> dict:
+        """The peer before buckets: every listing reads the whole key; a ready peer is called as above."""
+        o = self.o
+        t0 = time.monotonic()
+        listings = 0
+        tried: set[str] = set()
+        while time.monotonic() - t0 < o["deadline_s"]:
+            found = await reader.legacy_peers()
+            listings += 1
+            if found is None or len(found) < len(truth) // 2:
+                return {"found": False, "s": None, "listings": listings,
+                        "error": f"a listing of the single key returned {0 if found is None else len(found)} of "
+                                 f"{len(truth)} records"}
+            cands = sorted(p for p, r in found.items() if r.state == "exchanging" and p not in tried and p != me)
+            for peer in cands[:3]:
+                tried.add(peer)
+                await asyncio.sleep(o["call_s"])
+                if self.rng.random() >= o["busy_share"]:
+                    return {"found": True, "s": time.monotonic() - t0, "listings": listings}
+            await asyncio.sleep(0.3)
+        return {"found": False, "s": None, "listings": listings}
+
+    # ------------------------------------------------------------------ one N, both designs
+    async def measure(self, run_id: str, n: int) -> list[dict]:
+        from gasloc.peer.swarm.membership import BucketReader, Membership, peer_id_of
+        from gasloc.protocol.buckets import bucket_of, level_for
+
+        o = self.o
+        t0 = time.monotonic()
+        truth = await self.populate(run_id, n)
+        populate_s = time.monotonic() - t0
+        me = peer_id_of(self.searcher_signer.local_public_key)
+        by_bucket: dict[int, list[str]] = {}          # the members' buckets, for the modelled callees' views
+        for p in truth:
+            by_bucket.setdefault(bucket_of(p, level_for(n)), []).append(p)
+        own = Membership(self.searcher, self.searcher_signer, run_id=run_id, peer_id=me, fingerprint="bench",
+                         protocol=1, ttl_s=o["ttl_s"], request_timeout_s=30.0, rng=random.Random(o["seed"]))
+        rows = []
+        for design in ("buckets", "single-key"):
+            reader = own
+            responder = BucketReader(self.writer, run_id=run_id, request_timeout_s=30.0)
+            startup_bytes = 0
+            if design == "buckets":
+                b0 = own.bytes_read
+                await own.probe()                       # what a starting peer does (once)
+                startup_bytes = own.bytes_read - b0
+                own.level = level_for(n) if abs(own.level - level_for(n)) > 1 else own.level
+                await own.announce(own.record(state="exchanging", round=10, throughput_tps=1.0, bandwidth_bps=0.0))
+                responder.level = own.level
+            per = []
+            for _ in range(o["searches"]):
+                cpu0, th0 = proc_cpu_s(self.searcher.pid), time.thread_time()
+                b0, r0 = reader.bytes_read, responder.bytes_read
+                if design == "buckets":
+                    res = await self.search_buckets(reader, responder, me, truth, by_bucket, level_for(n))
+                else:
+                    res = await self.search_single(reader, me, truth)
+                res["cpu_ms"] = 1000 * (proc_cpu_s(self.searcher.pid) - cpu0 + time.thread_time() - th0)
+                res["bytes"] = reader.bytes_read - b0 + responder.bytes_read - r0
+                res["responder_bytes"] = responder.bytes_read - r0
+                per.append(res)
+                if res.get("error"):
+                    break
+            found = [r["s"] for r in per if r["found"]]
+            errors = [r["error"] for r in per if r.get("error")]
+            whole_mib = n * self.entry_size / 2**20     # what one response with every record would carry
+            rows.append({
+                "design": design, "members": n,
+                "dht_bytes_per_round": round(statistics.mean(r["bytes"] for r in per)),
+                "cpu_ms_per_round": round(statistics.mean(r["cpu_ms"] for r in per), 2),
+                "partner_found_s_median": round(statistics.median(found), 3) if found else None,
+                "partner_found_share": round(len(found) / len(per), 3),
+                "searches": len(per),
+                "listings_per_round": round(statistics.mean(r["listings"] for r in per), 2),
+                "responder_bytes_per_round": round(statistics.mean(r["responder_bytes"] for r in per)),
+                "startup_bytes": startup_bytes,
+                "buckets": (1 << own.level) if design == "buckets" else 1,
+                "estimate": round(own.estimate.value) if design == "buckets" else None,
+                "ready_share": o["ready_share"], "populate_s": round(populate_s, 1),
+                "error": (f"{errors[0]} (one response of ~{whole_mib:.1f} MiB; p2pd's message limit is 4 MiB)"
+                          if errors and design == "single-key" else (errors[0] if errors else None)),
+            })
+            print(json.dumps(rows[-1]), file=sys.stderr)
+        return rows
+
+
+def _table(rows: list[dict]) -> str:
+    head = ("design", "members", "KB/round", "CPU ms/round", "partner s (median)", "found", "buckets",
+            "estimate", "error")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        med = r["partner_found_s_median"]
+        lines.append("| " + " | ".join(str(x) for x in (
+            r["design"], r["members"], f"{r['dht_bytes_per_round'] / 1000:.1f}", f"{r['cpu_ms_per_round']:.1f}",
+            "-" if med is None else f"{med:.2f}", f"{r['partner_found_share']:.2f}", r["buckets"],
+            r["estimate"] if r["estimate"] is not None else "-", r["error"] or "")) + " |")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--members", default="10,100,1000,5000", help="swarm sizes, comma-separated")
+@click.option("--searches", default=20, type=click.IntRange(1), help="partner searches per size and design")
+@click.option("--dht-nodes", default=8, type=click.IntRange(1, 32), help="DHT processes holding the records")
+@click.option("--ready-share", default=0.1, type=click.FloatRange(0.01, 1.0),
+              help="share of members whose record says ready (exchanging)")
+@click.option("--busy-share", default=0.3, type=click.FloatRange(0.0, 0.99),
+              help="share of calls to a ready member that find it taken")
+@click.option("--call-s", default=0.05, type=click.FloatRange(0.0), help="seconds one call's handshake takes")
+@click.option("--deadline-s", default=10.0, type=click.FloatRange(0.1), help="a search without a partner by then "
+              "fails (swarm.partner_deadline_s)")
+@click.option("--keys", "keys_path", default="runs/scale-keys.bin", type=click.Path(dir_okay=False, path_type=Path),
+              help="cache of the members' RSA keys (made on first use)")
+@click.option("--seed", default=0, type=int)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="write {'rows': [...]}")
+def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline_s, keys_path, seed, json_out):
+    try:
+        sizes = [int(x) for x in members.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"not a comma-separated list of integers: {members!r}", param_hint="--members") from None
+    if not sizes or min(sizes) < 2:
+        raise click.BadParameter("every size must be at least 2", param_hint="--members")
+    o = dict(searches=searches, dht_nodes=dht_nodes, ready_share=ready_share, busy_share=busy_share, call_s=call_s,
+             deadline_s=deadline_s, seed=seed, ttl_s=3600.0)
+    keys = load_keys(keys_path, max(sizes))
+    bench = Bench(o)
+    run_ids = [f"scale-n{n}" for n in sizes]
+    rows: list[dict] = []
+    try:
+        bench.start(run_ids, keys)
+        for run_id, n in zip(run_ids, sizes):
+            rows += asyncio.run(bench.measure(run_id, n))
+    finally:
+        bench.stop()
+    print(_table(rows))
+    if json_out is not None:
+        json_out.write_text(json.dumps({"rows": rows, "options": o}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The DHT side of membership that scales (peer/swarm/membership.py BucketReader / Membership) on an in-memory
+DHT with hivemind's get/store semantics (latest expiration wins per subkey), and the mixed-swarm check of
+peer/swarm/network.py. The real DHT: tests/integration/test_bench_scale.py and the e2e swarms."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from gasloc.peer.config import PeerConfig
+from gasloc.peer.swarm.membership import BucketReader, Membership, bucket_key, peer_id_of, peers_key
+from gasloc.peer.swarm.network import Network, PeerStatus
+from gasloc.protocol.buckets import BUCKET_TARGET, MAX_LEVEL, bucket_of, level_for
+from gasloc.runtime.lifecycle import StartupError
+
+RUN = "bucketrun"
+
+
+class FakeDHT:
+    """hivemind.DHT's store/get as Membership uses them: one dictionary value per key, per subkey the value with
+    the latest expiration; get returns unexpired entries."""
+
+    def __init__(self):
+        self.data: dict[str, dict[bytes, tuple[object, float]]] = {}
+        self.gets: list[str] = []
+
+    async def store(self, key, value, expiration, subkey, return_future=True):
+        entries = self.data.setdefault(key, {})
+        if subkey not in entries or entries[subkey][1] < expiration:
+            entries[subkey] = (value, expiration)
+        return True
+
+    async def get(self, key, latest=True, return_future=True):
+        self.gets.append(key)
+        now = time.time()
+        entries = {k: ValueWithExpiration(v, e) for k, (v, e) in self.data.get(key, {}).items() if e > now}
+        return ValueWithExpiration(entries, now + 60) if entries else None
+
+
+def _signer() -> RSASignatureValidator:
+    # 1024-bit keys: peer ids derive the same way at any size, and they are made ten times faster
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key._private_key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    return RSASignatureValidator(key)
+
+
+@pytest.fixture(scope="module")
+def signers():
+    return [_signer() for _ in range(160)]
+
+
+def _member(dht, signer, level=0, **kw) -> Membership:
+    m = Membership(dht, signer, run_id=RUN, peer_id=peer_id_of(signer.local_public_key), fingerprint="f",
+                   protocol=1, ttl_s=30.0, rng=random.Random(len(kw)), **kw)
+    m.level = level
+    return m
+
+
+def _announce(m: Membership, state="training") -> bool:
+    return asyncio.run(m.announce(m.record(state=state, round=1, throughput_tps=1.0, bandwidth_bps=0.0)))
+
+
+def test_a_record_goes_to_its_bucket_of_its_level_and_the_one_below_and_leaves_them_all(signers):
+    dht = FakeDHT()
+    m = _member(dht, signers[0], level=5)
+    assert _announce(m)
+    pid = m.peer_id
+    assert set(dht.data) == {bucket_key(RUN, 5, bucket_of(pid, 5)), bucket_key(RUN, 4, bucket_of(pid, 4))}
+    m.level = 6                     # the swarm grew: the next announcement goes to levels 6 and 5
+    assert _announce(m)
+    assert len(dht.data) == 3
+    assert asyncio.run(m.withdraw())
+    reader = BucketReader(dht, run_id=RUN)
+    for lv in (4, 5, 6):
+        assert asyncio.run(reader.read([(lv, bucket_of(pid, lv))])) == {}, lv   # withdrawn everywhere
+        assert reader.withdrawn == {pid}                 # seen as a withdrawal, not just absent
+
+
+def test_a_reader_finds_the_level_estimates_the_size_and_reads_a_bucket_not_the_swarm(signers):
+    dht = FakeDHT()
+    n = len(signers)
+    level = level_for(n)
+    members = [_member(dht, s, level=level) for s in signers]
+    for m in members:
+        assert _announce(m, state="exchanging" if m.peer_id[-1] in "abcdefgh" else "training")
+    reader = BucketReader(dht, run_id=RUN, rng=random.Random(3))
+    seen = asyncio.run(reader.probe())
+    assert reader.gets == MAX_LEVEL + 1 and seen
+    assert abs(reader.level - level) <= 1 and n / 2.5 < reader.estimate.value < n * 2.5
+    reader.level = level
+    before = reader.bytes_read
+    listed = asyncio.run(reader.listing())
+    assert 1 <= len(listed) <= 4 * BUCKET_TARGET
+    # one bucket: a few KB, against ~n records for a whole listing
+    assert reader.bytes_read - before < 4 * BUCKET_TARGET * 1200 and reader.bytes_read - before < n * 900 / 4
+    # every member is found from its own bucket, in one get when its level is ours
+    reader.level = level
+    gets = reader.gets
+    for m in random.Random(0).sample(members, 20):
+        assert asyncio.run(reader.find(m.peer_id)).peer_id == m.peer_id
+    assert reader.gets - gets == 20
+    # a writer one level lower than the reader is found too (the level below is the second place to look)
+    low = _member(dht, _signer(), level=level - 1)
+    assert _announce(low)
+    assert asyncio.run(reader.find(low.peer_id)).peer_id == low.peer_id
+    assert asyncio.run(reader.find("12D3KooWnobody")) is None
+
+
+def test_listings_cover_other_buckets_and_an_empty_level_sends_the_reader_to_probe(signers):
+    dht = FakeDHT()
+    for s in signers[:100]:
+        assert _announce(_member(dht, s, level=3))
+    reader = BucketReader(dht, run_id=RUN, rng=random.Random(5))
+    reader.level = 3
+    seen = set()
+    for _ in range(8):
+        seen |= set(asyncio.run(reader.listing()) or {})
+    assert len(seen) > 60            # eight listings of one bucket each: most of the eight buckets
+    lost = BucketReader(dht, run_id=RUN, rng=random.Random(5))
+    lost.level = 8                   # an estimate far too high: its buckets are empty
+    assert len(asyncio.run(lost.listing())) > 0 and lost.level in (2, 3, 4)
+
+
+def test_legacy_records_under_the_single_key_are_found(signers):
+    dht = FakeDHT()
+    old = _member(dht, signers[1])
+    rec = old.record(state="training", round=7, throughput_tps=1.0, bandwidth_bps=0.0)
+    asyncio.run(dht.store(peers_key(RUN), rec.dict(), time.time() + 30, subkey=old.subkey))  # as gasloc < buckets
+    reader = BucketReader(dht, run_id=RUN)
+    assert set(asyncio.run(reader.legacy_peers())) == {old.peer_id}
+    assert asyncio.run(BucketReader(FakeDHT(), run_id=RUN).legacy_peers()) == {}
+
+
+def test_a_mixed_swarm_refuses_to_start_and_is_an_error_while_running(signers, caplog):
+    dht = FakeDHT()
+    old = _member(dht, signers[2])
+    rec = old.record(state="training", round=7, throughput_tps=1.0, bandwidth_bps=0.0)
+    rec.view["version"] = "0.1.0"
+    net = Network(PeerConfig.model_validate({"swarm": {"run_id": RUN}}),
+                  lambda: PeerStatus("training", 0, 0.0, 0.0))
+    net.peer_id = "12D3KooWme"
+    with pytest.raises(StartupError, match=r"mixed swarm: 1 peer\(s\) of run 'bucketrun' announce under the single "
+                                           r"DHT key bucketrun_peers of an older gasloc .*version 0.1.0.*upgrade"):
+        net._check_layout({old.peer_id: rec}, starting=True)
+    net.legacy_seen = set()
+    net._check_layout({"12D3KooWme": rec}, starting=True)      # our own old record (an upgrade in place): no
+    with caplog.at_level(logging.ERROR):
+        net._check_layout({old.peer_id: rec}, starting=False)
+        net._check_layout({old.peer_id: rec}, starting=False)  # once per peer, not every check
+    assert sum("mixed swarm" in r.message for r in caplog.records) == 1

@@ -12,9 +12,9 @@ hostile partner cannot talk its own way in. Then:
 So one bad partner moves us at most w*tau per round (self-centered clipping, He, Karimireddy & Jaggi 2022).
 
 First rounds and fresh joiners: until `min_history` distances are known, tau is the fixed `first_rounds_tau`
-(honest pairs of the tiny swarm measure ~0.07; a noisy volunteer 0.9-4, a peer sending 3y measures 2), and since
-that tau is a guess, a partner beyond reject_factor x tau is checked on a local batch rather than rejected on its
-distance alone. A resync clears the history (the peer's model changed under it).
+(honest pairs of the tiny swarm measure ~0.07; a noisy volunteer 0.9-4, a peer sending 3y measures 2). Checking a
+far partner on a local batch there instead of rejecting it let the noisy volunteer in (clipped) in round 3: on the
+early loss plateau noise barely changes the loss. A resync clears the history (the peer's model changed under it).
 
 Trust: every clip or rejection lowers the partner's trust score (multiplicatively); the lost part recovers with a
 half-life. Partner choice weights candidates by trust, and a peer whose trust is below `busy_below` is neither
@@ -130,11 +130,7 @@ class DistanceHistory:
             return Verdict("reject", distance, tau, 0.0, Code.NOT_FINITE, "distance is not finite")
         if distance <= tau:
             return Verdict("accept", distance, tau)
-        # before min_history distances are known tau is a guess, not a measurement (honest pairs' first-round
-        # distance grows with H and the learning rate): a far partner is then checked on a local batch, not rejected
-        # on distance alone, or two honest peers that start apart would reject each other for good
-        guessed = len(self.values) < c.min_history
-        if distance > c.reject_factor * tau and not guessed:
+        if distance > c.reject_factor * tau:
             return Verdict("reject", distance, tau, 0.0, Code.DISTRUSTED,
                            f"distance {distance:.3g} > {c.reject_factor:g} x tau {tau:.3g}")
         if c.val_check:

@@ -213,14 +213,10 @@ def test_a_split_two_peer_swarm_moves_exactly_one_peer():
     assert [_due(FAR, s, own_round=20, partner="q", partner_round=21, listed=(21, 20)) for _ in range(2)] == [None, None]
 
 
-def test_before_min_history_a_far_partner_is_checked_not_rejected_on_distance_alone():
-    h = history(0.1)  # one distance known: tau is the guessed first_rounds_tau 0.3, the reject bound 1.2
-    v = h.judge(2.0)
-    assert v.action == "check" and v.scale == pytest.approx(0.15)
-    assert h.after_check(v, own_loss=2.0, partner_loss=2.05).action == "clip"  # an honest peer that started apart
-    assert h.after_check(v, own_loss=2.0, partner_loss=6.0).rejected            # a 3y model fails the batch
-    assert h.judge(math.nan).code is Code.NOT_FINITE
-    assert history(0.1, 0.1, 0.1).judge(2.0).rejected  # with a measured history: rejected on distance
+def test_before_min_history_a_far_partner_is_rejected_on_distance_against_the_first_rounds_tau():
+    h = history(0.1)  # one distance known: tau is first_rounds_tau 0.3, the reject bound 1.2
+    assert h.judge(2.0).rejected and h.judge(2.0).code is Code.DISTRUSTED  # the noisy volunteer measured 1.9-2.6
+    assert h.judge(0.6).action == "check"
 
 
 def test_clips_alone_never_make_a_peer_busy_a_rejection_does():

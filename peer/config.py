@@ -126,6 +126,10 @@ class SwarmConfig(_Section):
     resync_after_rounds: float = Field(3.0, ge=0, description="a peer whose process was stopped (SIGSTOP, "
                                        "suspend) for longer than announce_ttl_s and this many of its rounds "
                                        "downloads the swarm's state instead of mixing its stale model; 0: never")
+    resync_behind_rounds: float = Field(3.0, ge=0, description="a peer more than this many rounds behind the "
+                                        "listed peers' median, when it resumes from its checkpoint or when the "
+                                        "guard finds its partner far, downloads the swarm's state instead of "
+                                        "mixing its stale model; 0: never")
 
     _run_id = field_validator("run_id")(check_run_id)
     _key = field_validator("key_path")(check_key_path)

@@ -40,7 +40,7 @@ from gasloc.peer.train.inner import make_inner_optimizer, run_inner_phase
 from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
 from gasloc.peer.train.outer import make_outer
 from gasloc.protocol.averaging import mix
-from gasloc.protocol.guard import DistanceHistory, Verdict, clip_toward
+from gasloc.protocol.guard import DistanceHistory, FarStreak, Verdict, catch_up_due, clip_toward, swarm_ahead
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.procs import StopSignals
 from gasloc.runtime.safeproc import remove_own_shm
@@ -137,6 +137,9 @@ class Peer:
         self._at_boundary = True
         self._recoveries = 0
         self.fault: NoFault = NoFault()
+        self._resumed = False  # started from our own checkpoint: maybe far behind a swarm that went on
+        self._far = FarStreak(cfg.guard.catch_up_after_rejections)  # our recent far rejections in a row
+        self._catch_up: str | None = None  # why the guard's verdicts say we should download the swarm's state
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -257,6 +260,7 @@ class Peer:
             self.round = self._saved_round = loaded.round
             self.data.load_state_dict(loaded.data_state)
             self.inner_steps_total = int(loaded.meta.get("inner_steps", 0))
+            self._resumed = True
             return "checkpoint"
         if not self.cfg.swarm.join_from_peers or self.stopping.is_set():
             return None
@@ -264,9 +268,11 @@ class Peer:
 
     def _adopt_swarm_state(self) -> str | None:
         """Download a live peer's parameters, outer state and round count and take them over (the inner optimizer
-        and the data position stay ours); the donor's id, or None when no donor delivered."""
+        and the data position stay ours); the donor's id, or None when no donor delivered. The state must be no
+        worse on a local batch than our own model (a fresh one for a joiner, our trained one for a resync) by
+        guard.val_margin."""
         tried: set[str] = set()
-        fresh_loss = evaluate(self.model, self.val_batches[:1], autocast_for(self.device))
+        own_loss = evaluate(self.model, self.val_batches[:1], autocast_for(self.device))
         for _ in range(self.cfg.swarm.join_donor_pool):
             got = self.net.download_state(self.params, self.outer, exclude=tried)
             if got is None:
@@ -275,10 +281,10 @@ class Peer:
             tried.add(donor)
             # the donor's sha256 proves transit integrity only: check what it sent on a batch of our own
             loss = self._evaluate_at([t.to(self.device) for t in params], self.val_batches[:1])
-            if torch.isfinite(torch.tensor(loss)) and loss <= fresh_loss * (1 + self.cfg.guard.val_margin):
+            if torch.isfinite(torch.tensor(loss)) and loss <= own_loss * (1 + self.cfg.guard.val_margin):
                 break
-            log.warning("join: rejected the state of %s code=DISTRUSTED: its loss on a local batch is %.4f, a "
-                        "fresh model's %.4f; trying another donor", _short(donor), loss, fresh_loss)
+            log.warning("join: rejected the state of %s code=DISTRUSTED: its loss on a local batch is %.4f, our "
+                        "own model's %.4f; trying another donor", _short(donor), loss, own_loss)
         else:
             return None
         with torch.no_grad():
@@ -290,6 +296,7 @@ class Peer:
             self.outer.reset(self.params)
         self.round = int(metadata.get("round", 0))
         self.guard.clear()  # a new model: distances measured from the old one say nothing (fresh-joiner rule)
+        self._far.clear()
         return donor
 
     def _maybe_resync(self) -> bool:
@@ -302,22 +309,59 @@ class Peer:
                                                        recent_round_s=self._round_s,
                                                        after_rounds=swarm.resync_after_rounds):
             return False
-        from_round = self.round
         log.warning("resync: this process was stopped for %.1f s (longer than announce_ttl_s=%.0f and %.0f rounds); "
                     "downloading the swarm's state", absent_s, swarm.announce_ttl_s, swarm.resync_after_rounds)
+        return self._resync("absent", absent_s=absent_s)
+
+    def _resync(self, reason: str, **detail) -> bool:
+        """Rejoin like a joiner: download the swarm's state (checked on a local batch) and take over its
+        parameters, outer state and round; our inner optimizer and data position stay. True when the state was
+        replaced; event `resync` with `reason`: absent (a long stop), behind (resumed or returned far behind
+        the swarm), odd one out (far from several partners in a row)."""
+        from_round = self.round
         self._set_state("joining")
         self.net.refresh_listing()
         donor = self._adopt_swarm_state()
         if donor is None:
-            log.warning("resync: no state downloaded; mixing our own model back in")
+            log.warning("resync (%s): no state downloaded; mixing our own model back in", reason)
             self._set_state("training")
             return False
         self.net.round_boundary(self.snapshot)
         val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
-        self.sink.emit("resync", peer_id=self.peer_id, absent_s=absent_s, joined_from=donor, from_round=from_round,
-                       round=self.round, val_loss=val_loss)
-        log.info("resync: round %d -> %d from %s val_loss=%.4f", from_round, self.round, _short(donor), val_loss)
+        self.sink.emit("resync", peer_id=self.peer_id, reason=reason, joined_from=donor, from_round=from_round,
+                       round=self.round, val_loss=val_loss, **detail)
+        log.info("resync (%s): round %d -> %d from %s val_loss=%.4f", reason, from_round, self.round, _short(donor),
+                 val_loss)
         return True
+
+    def _listed_rounds(self) -> list[int]:
+        """The rounds the other training peers announce (claims: they only ever make us download a checked state)."""
+        return [r.round for r in self.net.live.values() if r.state != "joining"] if self.net is not None else []
+
+    def _catch_up_at_resume(self) -> None:
+        """Resumed from our checkpoint while the swarm went on: when the listed peers' median round is more than
+        swarm.resync_behind_rounds past ours, download their state (like a joiner) instead of mixing our stale
+        model in: partners would reject it as far, and it would train alone."""
+        if not (self._resumed and self.cfg.swarm.join_from_peers) or self.stopping.is_set():
+            return
+        self._resumed = False
+        self.net.refresh_listing()
+        rounds = self._listed_rounds()
+        if swarm_ahead(self.round, rounds, self.cfg.swarm.resync_behind_rounds):
+            log.warning("resync: resumed at round %d, the swarm is at round %d (median of %d peers); downloading "
+                        "its state", self.round, sorted(rounds)[len(rounds) // 2], len(rounds))
+            self._resync("behind")
+
+    def _catch_up_if_due(self) -> None:
+        """At a round boundary: the guard's verdicts this round said we are the far one (catch_up_due)."""
+        why, self._catch_up = self._catch_up, None
+        if why is not None and self.cfg.swarm.join_from_peers and not self.stopping.is_set():
+            log.warning("resync: %s (far from our partners: %s); downloading the swarm's state", why,
+                        ", ".join(_short(p) for p, _ in self._far.partners) or "-")
+            if self._pending is not None:  # overlap: the exchange in flight carries the old model's tensors
+                self.averaging.settle(self._pending.background)
+                self._pending, self._landed = None, None
+            self._resync(why)
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_cfg(self):
@@ -347,6 +391,7 @@ class Peer:
         self._saved_round = self.round
 
     def _main_loop(self) -> None:
+        self._catch_up_at_resume()
         t0 = time.monotonic()
         max_rounds, max_s = self.cfg.run.max_rounds, self.cfg.run.max_seconds
         rounds_done = 0
@@ -410,6 +455,7 @@ class Peer:
         self._finish_round()
         val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device)) if eval_due else None
         self._report(t_start, phase, ex, consensus, outer_s, val_loss)
+        self._catch_up_if_due()
 
     def _overlap_round(self) -> None:
         """outer.overlap: the previous round's exchange runs during these inner steps and its mix is added right
@@ -437,6 +483,7 @@ class Peer:
             self._pending = Pending(sent, background, eval_due)
         self._finish_round()
         self._report(t_start, phase, ex, consensus, outer_s, val_loss)
+        self._catch_up_if_due()
 
     # ------------------------------------------------------------------ the steps rounds are made of
     def _round_start(self) -> RoundStart:
@@ -512,6 +559,7 @@ class Peer:
             outer_s=outer_s, round_s=round_s, tokens_per_s=self.throughput_tps,
             peak_mem_mb=peak_memory_mb(self.device), attempts=ex.attempts, passed_over=ex.passed_over,
             live_peers=self.live_count(), detail=ex.detail or None, code=ex.code, **_guard_fields(ex.guard),
+            rejected_partner=ex.rejected_partner,
             path=ex.path if ex.ok else None, **self.net.nat_metrics(), **self.net.membership_metrics())
         log.info("round=%d loss=%.4f%s partner=%s outcome=%s MB=%.2f s=%.2f exchange_s=%.2f", self.round, phase.loss,
                  f" val_loss={val_loss:.4f}" if val_loss is not None else "", _short(ex.partner), outcome,
@@ -528,6 +576,20 @@ class Peer:
         self._note_bandwidth(ex)
         t_outer = time.monotonic()
         mixed, consensus = self._mixed(sent, ex) if ex.ok else (None, None)
+        if (mixed is None and ex.guard is not None and ex.outcome == "rejected" and self.cfg.guard.retry_after_reject
+                and self._catch_up is None and not self.stopping.is_set()):
+            # the guard rejected this round's partner: search again (it is now distrusted: not called, answered
+            # BUSY), rather than lose the round to a solo step
+            first = ex
+            ex = self.averaging.average(self.fault.wire(sent), self.round, self.live_count)
+            self._note_bandwidth(ex)
+            ex.rejected_partner, ex.attempts = first.partner, ex.attempts + first.attempts
+            ex.bytes_sent, ex.bytes_received = ex.bytes_sent + first.bytes_sent, ex.bytes_received + first.bytes_received
+            if not ex.ok:  # the round's record keeps the rejection's verdict
+                ex.outcome, ex.partner, ex.guard, ex.detail, ex.code = ("rejected", first.partner, first.guard,
+                                                                         first.detail, first.code)
+            mixed, consensus = self._mixed(sent, ex) if ex.ok else (None, consensus)
+            t_outer = time.monotonic()
         # a solo round (also when the guard rejected the partner): mix is the identity, the outer momentum applies
         self.outer.apply(self.params, sent if mixed is None else mixed)
         self.averaging.recycle(ex)  # mixed in: the next exchange receives into these buffers
@@ -557,14 +619,24 @@ class Peer:
         """The guard's verdict on one partner (a suspicious one is checked on one local validation batch), recorded
         in our history and in the partner's trust, and attached to the round's report."""
         v = self.guard.judge(distance)
+        better = False  # the far partner's model is clearly better than ours on our batch
         if v.action == "check":
             if len(received) == len(self.params) and all(r.shape == p.shape for r, p in zip(received, self.params)):
                 batch = self.val_batches[:1]
-                v = self.guard.after_check(v, self._evaluate_at(sent, batch), self._evaluate_at(received, batch))
+                own, theirs = self._evaluate_at(sent, batch), self._evaluate_at(received, batch)
+                v = self.guard.after_check(v, own, theirs)
+                better = theirs < own * (1 - self.cfg.guard.val_margin)
             else:  # tensors that are no model (NoLoCo sends two per parameter): clip without the check
                 v = Verdict("clip", v.distance, v.tau, v.scale, reason="not a model: clipped unchecked")
         self.guard.record(v)
         trust = self.averaging.policy.judged(ex.partner, v, time.monotonic())
+        self._far.note(v, ex.partner, ex.partner_round)
+        own_round = self.round if ex.offer_round is None else ex.offer_round
+        why = catch_up_due(v, own_round=own_round, own_id=self.peer_id, partner_round=ex.partner_round,
+                           listed_rounds=self._listed_rounds(), streak=self._far,
+                           behind_rounds=self.cfg.swarm.resync_behind_rounds, partner_better=better)
+        if why is not None:
+            self._catch_up = why
         ex.guard = {"guard": v.action, "guard_tau": v.tau, "clipped_by": 1.0 - v.scale if v.clipped else 0.0,
                     "rejected": v.rejected, "partner_trust": trust}
         return v

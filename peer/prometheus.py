@@ -88,8 +88,9 @@ METRICS: tuple[Metric, ...] = (
            "recovered"),
     Metric("counter", "gasloc_joins_served", "state downloads served to joining peers, by the joiner's verdict",
            "state_served", labels=("outcome",)),
-    Metric("counter", "gasloc_resyncs", "downloads of the swarm's state after a long stop of this process",
-           "resync"),
+    Metric("counter", "gasloc_resyncs", "downloads of the swarm's state instead of mixing our own model on, by "
+           "reason (absent: a long stop; behind: resumed or returned far behind the swarm; odd one out: far from "
+           "several partners in a row)", "resync", labels=("reason",)),
     Metric("counter", "gasloc_checkpoints", "checkpoints written", "checkpoint"),
     Metric("age", "gasloc_checkpoint_age_seconds", "seconds since the last checkpoint was written (NaN: none yet)",
            "checkpoint"),

@@ -12,12 +12,22 @@ hostile partner cannot talk its own way in. Then:
 So one bad partner moves us at most w*tau per round (self-centered clipping, He, Karimireddy & Jaggi 2022).
 
 First rounds and fresh joiners: until `min_history` distances are known, tau is the fixed `first_rounds_tau`
-(honest pairs of the tiny swarm measure ~0.07; a noisy volunteer 0.9-4, a peer sending 3y measures 2). A resync
-clears the history (the peer's model changed under it).
+(honest pairs of the tiny swarm measure ~0.07; a noisy volunteer 0.9-4, a peer sending 3y measures 2). Checking a
+far partner on a local batch there instead of rejecting it let the noisy volunteer in (clipped) in round 3: on the
+early loss plateau noise barely changes the loss. A resync clears the history (the peer's model changed under it).
 
 Trust: every clip or rejection lowers the partner's trust score (multiplicatively); the lost part recovers with a
 half-life. Partner choice weights candidates by trust, and a peer whose trust is below `busy_below` is neither
 called nor accepted (answered BUSY) until it recovers: a repeat offender loses its mixing weight in the swarm.
+
+Telling a returning honest peer from a hostile one (`catch_up_due`): tau follows our own partners' distances, which
+shrink as honest peers converge, so a peer that comes back from an old checkpoint, or a pair that drifted apart in
+a 2-peer swarm, is far from everyone and would be rejected for good (a rejection is a solo round, and solo rounds
+drift further apart). The far peer is the one that must move: it downloads the swarm's state (a checked state, like
+a joiner) when its partner is far and the listed peers are well ahead of it in rounds, or when its last rejections
+name several different peers (it is the odd one out), or, with one other peer only, when that peer is ahead of us
+in (round, peer id). A hostile peer that claims to be ahead costs us one checked download: the state is refused if
+it is worse than our own model on a local batch.
 """
 from __future__ import annotations
 
@@ -41,8 +51,9 @@ class GuardConfig(BaseModel):
     trust."""
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = Field(False, description="guard every mix (false: mix whatever passes the wire checks); off by "
-                          "default: it also rejects honest peers that fell behind (a resume from an old checkpoint)")
+    enabled: bool = Field(True, description="guard every mix (false: mix whatever passes the wire checks); a peer "
+                          "far from its partners that fell behind catches up by downloading the swarm's state "
+                          "(catch_up_after_rejections, swarm.resync_behind_rounds)")
     clip_factor: float = Field(2.0, gt=1, description="k: clip a partner's difference at tau = k x the median of "
                                "our recent partner distances ||y_j - y|| / ||y||")
     reject_factor: float = Field(4.0, gt=1, description="reject a partner farther than this many times tau")
@@ -63,6 +74,12 @@ class GuardConfig(BaseModel):
     trust_half_life_s: float = Field(120.0, gt=0, description="lost trust recovers with this half-life")
     busy_below: float = Field(0.5, ge=0, le=1, description="a peer whose trust is below this is not called and is "
                               "answered BUSY")
+    retry_after_reject: bool = Field(True, description="after rejecting a partner, search again for another one "
+                                     "within the same round (plain rounds) instead of a solo round")
+    catch_up_after_rejections: int = Field(2, ge=0, description="after this many rounds in a row whose partner was "
+                                           "rejected as far (DISTRUSTED), naming at least two different peers (or "
+                                           "the only other peer, when it is ahead of us in round, then peer id), "
+                                           "download the swarm's state: we are the odd one out; 0: never")
 
     @model_validator(mode="after")
     def _order(self) -> GuardConfig:
@@ -140,6 +157,62 @@ class DistanceHistory:
         self.values.clear()
 
 
+def swarm_ahead(own_round: int, rounds: Iterable[int], by: float) -> bool:
+    """Whether the listed peers' median announced round is more than `by` rounds past ours (a resumed or returning
+    peer that fell behind). The median, so one peer claiming round 1e9 does not make everyone download; by <= 0 or
+    nobody listed: False."""
+    rs = list(rounds)
+    return by > 0 and bool(rs) and statistics.median(rs) > own_round + by
+
+
+@dataclass
+class FarStreak:
+    """Our last rounds' far rejections in a row (partner id, its round at the exchange); any other verdict ends the
+    streak. Only DISTRUSTED rejections count: a partner with NaN values is broken, not a sign that we drifted."""
+    need: int
+    partners: list[tuple[str, int]] = field(default_factory=list)
+
+    def note(self, v: Verdict, partner: str | None, partner_round: int | None) -> None:
+        if v.rejected and v.code is Code.DISTRUSTED and partner:
+            self.partners.append((partner, -1 if partner_round is None else partner_round))
+        else:
+            self.partners.clear()
+
+    def clear(self) -> None:
+        self.partners.clear()
+
+
+def catch_up_due(v: Verdict, *, own_round: int, own_id: str, partner_round: int | None,
+                 listed_rounds: Iterable[int], streak: FarStreak, behind_rounds: float,
+                 partner_better: bool = False) -> str | None:
+    """After the guard's verdict on a partner (and `streak.note` of it): why we should download the swarm's state
+    instead of mixing on ("behind", "odd one out"), or None.
+
+    "behind": the partner is far (rejected, or checked and better than us on our batch by val_margin) and the listed
+    peers' median round is more than `behind_rounds` past ours: we came back from an old state.
+    A far partner that is merely clipped says nothing: a peer on a slow link is legitimately many rounds behind the
+    fast ones and must keep mixing, not download. "odd one out": the streak's last `need` far rejections name two
+    different peers; with one other peer listed, the one of the two behind in (round, peer id) moves."""
+    far = v.rejected and v.code is Code.DISTRUSTED
+    if not far and not (v.action == "clip" and partner_better):
+        return None
+    listed = list(listed_rounds)
+    # the listed peers' median, not the far partner's own round: one peer claiming a high round must not make every
+    # peer that rejects it download a state
+    if swarm_ahead(own_round, listed, behind_rounds):
+        return "behind"
+    if not far or streak.need <= 0 or len(streak.partners) < streak.need:
+        return None
+    recent = streak.partners[-streak.need:]
+    if len({p for p, _ in recent}) >= 2:
+        return "odd one out"
+    if len(listed) <= 1:
+        p, r = recent[-1]
+        if (r, p) > (own_round, own_id):
+            return "odd one out"
+    return None
+
+
 @torch.no_grad()
 def relative_distance(own: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> float:
     """||own - other|| / ||own|| over all tensors (the metrics' "consensus"); 0/0 reads as 0."""
@@ -170,11 +243,14 @@ class TrustBook:
         return 1.0 - lost * 2.0 ** (-max(0.0, now - t) / self.cfg.trust_half_life_s)
 
     def penalize(self, peer: str, v: Verdict, now: float) -> float:
-        """Lower a clipped or rejected partner's trust; returns its new score."""
+        """Lower a clipped or rejected partner's trust; returns its new score. Clips alone never take a peer below
+        busy_below: a clipped partner passed the check on our batch (often an honest one a little far, early on), so
+        it is picked less often but not shut out; only a rejection makes a peer BUSY."""
         penalty = {"clip": self.cfg.clip_penalty, "reject": self.cfg.reject_penalty}.get(v.action, 0.0)
         trust = self.score(peer, now)
         if penalty:
-            trust *= 1.0 - penalty
+            lowered = trust * (1.0 - penalty)
+            trust = max(lowered, min(trust, self.cfg.busy_below)) if v.action == "clip" else lowered
             self._lost[peer] = (1.0 - trust, now)
         return trust
 

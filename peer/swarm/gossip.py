@@ -195,6 +195,7 @@ class GossipAveraging:
         report.bytes_sent += res.bytes_sent
         report.bytes_received += res.bytes_received
         report.exchange_s = res.seconds
+        report.offer_round, report.partner_round = res.round, res.partner_round
         if not res.ok:
             return False
         report.received, report.kind, report.group_size = res.tensors, "pair", 2

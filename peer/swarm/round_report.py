@@ -35,6 +35,9 @@ class RoundExchange:
     overlapped: bool = False     # outer.overlap: it ran during the next round's inner steps (no transfer time)
     guard: dict | None = None    # the guard's verdict on the partner (peer/daemon.py _judge), for the metrics line
     path: str | None = None      # ok pair exchanges: "direct" or "forwarded:<forwarder>" (behind NAT)
+    offer_round: int | None = None    # pair exchanges: our round and the partner's, as both offers said (exact,
+    partner_round: int | None = None  # unlike the listing: the guard's catch-up rule compares them)
+    rejected_partner: str | None = None  # guard.retry_after_reject: the partner rejected earlier in this round
 
     @property
     def ok(self) -> bool:

@@ -162,14 +162,25 @@ def test_kill_9_mid_exchange_is_survived_and_sigterm_withdraws_cleanly(harness, 
     assert "withdrawn" in h.log("p1")
 
     # 3. restarted on its run directory, p1 resumes from the checkpoint it wrote at shutdown (resume beats a
-    #    download from the live p0) and pairs with p0 again
+    #    download from the live p0: it keeps its optimizer state and data position), sees that p0 went on for
+    #    more than swarm.resync_behind_rounds, downloads p0's state instead of mixing its stale model in (which the
+    #    guard would reject as far, round after round), and pairs with p0 again, accepted by p0's guard
     last_round = rounds(h, "p1")[-1]["round"]
-    start_peers(h, ["p1"], bootstrap, cfg)
+    h.wait_until(lambda: rounds(h, "p0")[-1]["round"] >= last_round + 6, 60, "p0 six rounds past p1's checkpoint",
+                 alive=("p0",))
+    p1 = start_peers(h, ["p1"], bootstrap, cfg)["p1"]  # a new peer id: no --identity-path
     resumed = [r for r in h.metrics("p1") if r["event"] == "start"][-1]
     assert resumed["joined_from"] == "checkpoint" and resumed["round"] == last_round, resumed
     t_restart = time.time()
     h.wait_until(all_have(h, ["p1"], ok_rounds=1, partners=1, since=t_restart), 60, "the resumed p1's exchange",
                  alive=("p0", "p1"))
+    caught_up = [r for r in _resyncs(h, "p1") if r["time"] >= t_restart]
+    assert caught_up and caught_up[0]["reason"] == "behind" and caught_up[0]["joined_from"] == ids["p0"], caught_up
+    assert caught_up[0]["round"] > last_round + 3, caught_up
+    h.wait_until(lambda: any(r["partner"] == p1 and r["outcome"] == "ok" and r["time"] > t_restart
+                             for r in rounds(h, "p0")), 30, "p0 mixing with the resumed p1", alive=("p0", "p1"))
+    with_p1 = [r for r in rounds(h, "p0") if r["partner"] == p1 and r["time"] > t_restart and r.get("guard")]
+    assert with_p1 and all(not r["rejected"] for r in with_p1), with_p1
 
     # 4. a shutdown stuck on an unresponsive DHT (its process frozen) is cut short by a second Ctrl+C: exit 130
     #    at once, and the death signal still takes the DHT child and its p2pd along (no orphan)

@@ -1,10 +1,11 @@
 """Untrusted volunteers (issue 11 part A) on real `gasloc peer` processes, tiny model, fixed rounds.
 
-1. Robust mixing: a clean swarm of 4 honest peers, then the same with one noisy volunteer (Gaussian noise on its
-   parameters after every inner step), then with one peer that sends its model scaled x3. The attackers are real
-   peers made hostile by the [fault] config section, a TEST FAULT INJECTOR (peer/config.py FaultConfig). With the
-   guard on ([guard] enabled = true), the honest peers' median final validation loss stays within 25% of the clean
-   swarm's and their metrics show the attacker's mixes clipped or rejected.
+1. Robust mixing: CLEAN_RUNS clean swarms of 4 honest peers, then the same with one noisy volunteer (Gaussian noise
+   on its parameters after every inner step), then with one peer that sends its model scaled x3. The attackers are
+   real peers made hostile by the [fault] config section, a TEST FAULT INJECTOR (peer/config.py FaultConfig). With
+   the guard at its defaults (on), the honest peers' median final validation loss stays within 5% of the clean
+   swarms' (of the worst of them: clean runs of the same seeds differ among themselves, measured in the same test)
+   and their metrics show the attacker's mixes clipped or rejected, the round searching on for another partner.
 2. Crash safety: a peer whose parameters turn NaN mid-round goes back to its last finite checkpoint and trains on;
    no checkpoint it leaves has a NaN; a SIGTERM that cuts a round short leaves the last full round's state.
 """
@@ -21,6 +22,7 @@ from e2e.harness import LOOPBACK
 from e2e.swarm_helpers import rounds, start_event, val_losses, write_config
 
 ROUNDS = 16
+CLEAN_RUNS = 3
 HONEST = ["h0", "h1", "h2", "h3"]
 ATTACKS = {
     "noisy": "[fault]\nnoise_std = 0.02\n",   # large finite noise after every inner step
@@ -35,7 +37,7 @@ def _swarm(h, tag: str, fault: str | None) -> tuple[list[float], list[dict], str
     cfg = write_config(h, inner_steps=10).rename(h.run_dir / f"peer-{tag}.toml")
     # every round evaluated: a peer that joined late ends on another round number than the others
     cfg.write_text(cfg.read_text().replace('run_id = "e2e"', f'run_id = "e2e-{tag}"')
-                   .replace("eval_every_rounds = 2", "eval_every_rounds = 1") + "[guard]\nenabled = true\n")
+                   .replace("eval_every_rounds = 2", "eval_every_rounds = 1"))
     names = [f"{tag}-{n}" for n in HONEST]
     configs = dict.fromkeys(names, cfg)
     if fault is not None:
@@ -66,28 +68,35 @@ def _swarm(h, tag: str, fault: str | None) -> tuple[list[float], list[dict], str
     return finals, recs, attacker
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1500)
 def test_guard_keeps_honest_loss_against_a_noisy_and_a_scaled_volunteer(harness):
     h = harness
-    clean, clean_recs, _ = _swarm(h, "clean", None)
-    base = statistics.median(clean)
-    assert base < 4.0, clean  # the clean swarm learned (a fresh tiny model is at ~5.2)
-    # honest peers barely clip each other: the guard leaves honest mixing alone
+    cleans = [_swarm(h, f"clean{i}", None) for i in range(CLEAN_RUNS)]
+    medians = [statistics.median(finals) for finals, _, _ in cleans]
+    base = max(medians)
+    print(f"clean swarms: honest median final val loss {[round(m, 4) for m in medians]} "
+          f"(spread {base / min(medians) - 1:+.1%})")
+    assert base < 4.0, medians  # the clean swarms learned (a fresh tiny model is at ~5.2)
+    clean_recs = [r for _, recs, _ in cleans for r in recs]
+    # honest peers barely clip each other, and never reject each other: the guard leaves honest mixing alone
     verdicts = [r["guard"] for r in clean_recs if r.get("guard")]
     assert verdicts and sum(v == "accept" for v in verdicts) >= 0.7 * len(verdicts), verdicts
     assert not any(r["rejected"] for r in clean_recs if r.get("guard")), [r for r in clean_recs if r.get("rejected")]
     for tag, fault in ATTACKS.items():
         finals, recs, bad = _swarm(h, tag, fault)
         with_bad = [r for r in recs if r["partner"] == bad and r.get("guard")]
-        print(f"{tag}: honest final val losses {finals} (clean {clean}); verdicts on the attacker "
-              f"{[(r['guard'], round(r['clipped_by'], 3), round(r['partner_trust'], 3)) for r in with_bad]}")
-        assert with_bad, f"no honest peer received the {tag} attacker's tensors"
+        searched_on = [r for r in recs if r.get("rejected_partner") == bad]
+        print(f"{tag}: honest median final val loss {statistics.median(finals):.4f} ({finals}); verdicts on the "
+              f"attacker {[(r['guard'], round(r['clipped_by'], 3)) for r in with_bad]}; rounds that searched on "
+              f"after rejecting it {[(r['outcome'], r['guard']) for r in searched_on]}")
+        assert with_bad or searched_on, f"no honest peer received the {tag} attacker's tensors"
         assert all(r["guard"] in ("clip", "reject") for r in with_bad), with_bad
         assert all(r["outcome"] == "rejected" for r in with_bad if r["rejected"])
-        # Issue 11 asks for 5%; not met. Measured (16 rounds, 2 cores), with every attacker mix rejected: the noisy
-        # volunteer's swarm ended +8.5% and +17% above the clean one (docs/robust-mixing.md). The bound is what the
-        # guard holds today; it still fails where the attack gets through (unguarded: +109%, or NaN).
-        assert statistics.median(finals) <= base * 1.25, (tag, finals, clean)
+        assert searched_on, "a rejection of the attacker never searched on for another partner"
+        # Issue 11's bound: within 5% of the clean swarms (unguarded, the noisy volunteer made it +109%, the scaled
+        # one NaN). The clean swarms' own spread is measured above and printed: the bound is taken from the worst
+        # clean swarm of this run, not from a single run that may have been lucky.
+        assert statistics.median(finals) <= base * 1.05, (tag, finals, medians)
 
 
 @pytest.mark.timeout(400)

@@ -11,7 +11,17 @@ import torch
 
 from gasloc.protocol.averaging import mix
 from gasloc.protocol.codes import Code
-from gasloc.protocol.guard import DistanceHistory, GuardConfig, TrustBook, Verdict, clip_toward, relative_distance
+from gasloc.protocol.guard import (
+    DistanceHistory,
+    FarStreak,
+    GuardConfig,
+    TrustBook,
+    Verdict,
+    catch_up_due,
+    clip_toward,
+    relative_distance,
+    swarm_ahead,
+)
 from gasloc.protocol.partners import Backoff
 from gasloc.protocol.search import Call, PartnerPolicy, SearchRules, Sight
 
@@ -135,3 +145,85 @@ def test_trust_lowers_a_clipped_peers_chance_to_be_picked():
 def test_guard_config_checks_its_orders():
     with pytest.raises(ValueError, match="min_history"):
         GuardConfig(history=2, min_history=3)
+
+
+FAR = Verdict("reject", 0.9, 0.1, 0.0, Code.DISTRUSTED, "far")
+NAN = Verdict("reject", math.nan, 0.1, 0.0, Code.NOT_FINITE, "nan")
+CLIP = Verdict("clip", 0.3, 0.1, 1 / 3)
+OK = Verdict("accept", 0.05, 0.1)
+
+
+def _due(v, streak, *, own_round=10, own_id="m", partner="a", partner_round=10, listed=(10, 10, 11),
+         better=False, behind=3):
+    streak.note(v, partner, partner_round)
+    return catch_up_due(v, own_round=own_round, own_id=own_id, partner_round=partner_round,
+                        listed_rounds=listed, streak=streak, behind_rounds=behind, partner_better=better)
+
+
+def test_swarm_ahead_is_the_listed_median_past_ours_by_more_than_the_margin():
+    assert swarm_ahead(10, [14, 14, 2], 3) and not swarm_ahead(10, [13, 13, 40], 3)
+    assert not swarm_ahead(10, [11, 12, 10**9], 3)  # one liar claiming round 1e9 moves the median by one peer
+    assert not swarm_ahead(10, [], 3) and not swarm_ahead(0, [50], 0)  # nobody listed; 0 turns it off
+
+
+def test_a_far_partner_with_the_swarm_well_ahead_of_us_says_we_are_behind():
+    swarm = (30, 31, 29)  # resumed from round 10 while the swarm went on to round 30
+    assert _due(FAR, FarStreak(2), partner_round=30, listed=swarm) == "behind"  # rejected (it rejects us too)
+    # checked on our batch, clipped and clearly better than our model: also behind
+    assert _due(CLIP, FarStreak(2), partner_round=30, listed=swarm, better=True) == "behind"
+    # one far partner claiming a high round, the listed median not past us: it decides nothing
+    assert _due(FAR, FarStreak(2), partner_round=10**9, listed=(10, 11, 10**9)) is None
+    # a merely clipped partner, the swarm many rounds ahead (a peer on a slow link lags the fast ones): keep mixing
+    assert _due(CLIP, FarStreak(2), partner_round=30, listed=swarm) is None
+    # accepted, or a partner with NaN values (broken, not a sign that we drifted): nothing
+    assert _due(OK, FarStreak(2), partner_round=30, listed=swarm) is None
+    assert _due(NAN, FarStreak(2), partner_round=30, listed=swarm) is None
+    assert _due(FAR, FarStreak(2), partner_round=30, behind=0, listed=swarm) is None  # 0 turns it off
+
+
+def test_far_from_two_different_partners_in_a_row_makes_us_the_odd_one_out():
+    s = FarStreak(2)
+    assert _due(FAR, s, partner="a") is None  # one far partner: it may be the hostile one
+    assert _due(FAR, s, partner="b") == "odd one out"
+    s = FarStreak(2)
+    _due(FAR, s, partner="a")
+    assert _due(OK, s, partner="b") is None and s.partners == []  # an accepted partner ends the streak
+    assert _due(FAR, s, partner="a") is None and _due(FAR, s, partner="a") is None  # the same one again and again
+    s = FarStreak(2)
+    _due(FAR, s, partner="a")
+    assert _due(NAN, s, partner="b") is None and s.partners == []
+    assert _due(FAR, FarStreak(0), partner="a") is None  # need 0: never
+
+
+def test_a_split_two_peer_swarm_moves_exactly_one_peer():
+    """Two honest peers that drifted apart reject each other for good (each rejection is a solo round): with one
+    other peer listed, only the one behind in (round, peer id) downloads the other's state."""
+    for rounds in ((20, 20), (20, 21), (21, 20)):
+        moved = []
+        for me, other, r_me, r_other in (("m", "q", *rounds), ("q", "m", *reversed(rounds))):
+            s = FarStreak(2)
+            verdicts = [_due(FAR, s, own_round=r_me, own_id=me, partner=other, partner_round=r_other,
+                             listed=(r_other,)) for _ in range(2)]
+            assert verdicts[0] is None
+            moved.append(verdicts[1] == "odd one out")
+        assert sum(moved) == 1, (rounds, moved)
+        assert moved[0] == ((rounds[1], "q") > (rounds[0], "m"))
+    # with more peers listed, the same partner twice is no reason (it is the odd one: trust handles it)
+    s = FarStreak(2)
+    assert [_due(FAR, s, own_round=20, partner="q", partner_round=21, listed=(21, 20)) for _ in range(2)] == [None, None]
+
+
+def test_before_min_history_a_far_partner_is_rejected_on_distance_against_the_first_rounds_tau():
+    h = history(0.1)  # one distance known: tau is first_rounds_tau 0.3, the reject bound 1.2
+    assert h.judge(2.0).rejected and h.judge(2.0).code is Code.DISTRUSTED  # the noisy volunteer measured 1.9-2.6
+    assert h.judge(0.6).action == "check"
+
+
+def test_clips_alone_never_make_a_peer_busy_a_rejection_does():
+    cfg = GuardConfig(clip_penalty=0.3, reject_penalty=0.6, trust_half_life_s=1e9, busy_below=0.5)
+    t = TrustBook(cfg)
+    clip = Verdict("clip", 0.5, 0.3, 0.6)
+    scores = [t.penalize("h", clip, 0.0) for _ in range(4)]
+    assert scores == pytest.approx([0.7, 0.5, 0.5, 0.5]) and not t.distrusted("h", 0.0)
+    assert t.penalize("h", Verdict("reject", 5, 0.3, 0.0), 0.0) == pytest.approx(0.2) and t.distrusted("h", 0.0)
+    assert t.penalize("h", clip, 0.0) == pytest.approx(0.2)  # already below: a clip does not lift it either

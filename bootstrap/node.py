@@ -99,12 +99,23 @@ class _Relay:
         self.aio = LoopThread("bootstrap-relay")
         self.p2p = self.aio.run(dht.replicate_p2p(), cfg.startup_timeout_s)
         routed = RoutedP2P(self.p2p, cfg.run_id, lambda peer: None)
-        self.service = RelayService(routed, is_member=lambda pid: str(pid) in self.members,
+        self.service = RelayService(routed, is_member=self._confirm_member,
                                     volunteer=cfg.forwarding, max_circuits=cfg.forward_max_circuits,
                                     max_attached=cfg.forward_max_attached,
                                     circuit_timeout_s=cfg.forward_circuit_timeout_s)
         self.aio.run(self.service.start(), cfg.startup_timeout_s)
         self.lister = self.aio.submit(self._list())
+
+    async def _confirm_member(self, peer_id) -> bool:
+        """Whether `peer_id` is a live member, waiting up to one listing period for it: a joiner behind NAT downloads
+        the state through us right after its first announcement, before our next listing names it."""
+        import asyncio
+
+        for _ in range(int(self.LIST_PERIOD_S / 0.1) + 3):
+            if str(peer_id) in self.members:
+                return True
+            await asyncio.sleep(0.1)
+        return str(peer_id) in self.members
 
     async def _list(self) -> None:
         import asyncio

@@ -217,6 +217,11 @@ def relay_limits(nat, trials: int, payload: int, time_limit: bool, reservation_t
                                                      ("relayService=false", {"relayService": "false"}, None)]
     out = []
     for i, (name, flags, limit) in enumerate(variants):
+        if out and out[0]["reservation_s"] is None:
+            # without a reservation nothing is relayed, and the variants change only the relay's side
+            out.append({"variant": name, "relay_flags": flags, "reservation_s": None,
+                        "outcome": "skipped: the first trial got no reservation", "answered_by": "-"})
+            continue
         lab = Lab(nat, flags)
         try:
             t = relay_trial(lab, payload, reservation_timeout_s)
@@ -372,7 +377,8 @@ def main(json_out, quick, limits_only, time_limit, repeats, trials, reservation_
         tiny = payload_bytes(param_specs("tiny"))
         result["relay_limits"] = relay_limits(nat, trials, tiny, time_limit, reservation_timeout_s)
         if not limits_only:
-            result["rows"] = exchange_rows(nat, presets, repeats, reservation_timeout_s)
+            got_one = any(t["reservation_s"] is not None for t in result["relay_limits"]["trials"])
+            result["rows"] = exchange_rows(nat, presets, repeats, reservation_timeout_s if got_one else 10.0)
     print(markdown(result))
     if json_out:
         Path(json_out).write_text(json.dumps(result, indent=1))

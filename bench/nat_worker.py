@@ -86,7 +86,7 @@ class Worker:
     async def reservation(self, timeout_s: float) -> dict:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
-            circuit = [str(m) for m in await self.p2p.get_visible_maddrs() if "p2p-circuit" in str(m)]
+            circuit = [str(m) for m in await self.p2p.get_visible_maddrs(latest=True) if "p2p-circuit" in str(m)]
             if circuit:
                 return {"seconds": time.monotonic() - t0, "maddrs": circuit}
             await asyncio.sleep(0.5)

@@ -94,7 +94,7 @@ class Worker:
 
     async def connect(self, peer: str, maddr: str) -> dict:
         from hivemind.p2p import PeerID
-        from multiaddr import Multiaddr
+        from hivemind.utils.multiaddr import Multiaddr
         t0 = time.monotonic()
         try:
             await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(maddr)]), 30)

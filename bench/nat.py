@@ -244,9 +244,11 @@ def exchange_rows(nat, presets: list[str], repeats: int, reservation_timeout_s: 
         att = lab.nb.call("attach", 40, forwarder=lab.relay.peer_id, timeout_s=30)
         if att["seconds"] is None:
             raise BenchError("nb could not attach to the relay's gasloc forwarder")
-        pub_maddr = next(m for m in lab.pub.maddrs if f"/ip4/{nat.ip('pub')}/tcp/" in m)
-        if not lab.na.call("connect", 60, peer=lab.pub.peer_id, maddr=pub_maddr)["ok"]:
-            raise BenchError(f"na cannot dial the public host at {pub_maddr}")
+        # the address without its /p2p/<id> part: p2pd's connect takes the peer id separately
+        pub_maddr = next(m for m in lab.pub.maddrs if f"/ip4/{nat.ip('pub')}/tcp/" in m).split("/p2p/")[0]
+        dialled = lab.na.call("connect", 60, peer=lab.pub.peer_id, maddr=pub_maddr)
+        if not dialled["ok"]:
+            raise BenchError(f"na cannot dial the public host at {pub_maddr}: {dialled['error']}")
         relayed = relayed_connect(lab, res)
         rows.append(holepunch_row(lab, relayed))   # DCUtR runs right after the relayed connection opens
         for preset in presets:

@@ -223,10 +223,12 @@ class Peer:
                        round=self.round, num_params=n_params, device=str(self.device), maddrs=self.net.maddrs,
                        metrics_url=self.metrics_url,
                        reachability="private" if self.net.private else "public",
-                       reachability_source=self.net.reach_source)
+                       reachability_source=self.net.reach_source,
+                       dht_mode="client" if self.net.dht_client else "server")
         log.info("ready peer_id=%s round=%d initial_loss=%.4f joined_from=%s device=%s params=%d reachability=%s "
-                 "source=%s", self.peer_id, self.round, initial_loss, joined_from, self.device, n_params,
-                 "private" if self.net.private else "public", self.net.reach_source)
+                 "source=%s dht=%s", self.peer_id, self.round, initial_loss, joined_from, self.device, n_params,
+                 "private" if self.net.private else "public", self.net.reach_source,
+                 "client" if self.net.dht_client else "server")
         emit_ready("peer", self.peer_id, self.net.maddrs)
 
     def _make_sink(self) -> MetricsSink:

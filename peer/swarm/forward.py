@@ -193,8 +193,7 @@ class RelayService:
                 return await _send(writer, _reply(Code.OK, reachable=await self._probe(req.addrs)))
             if not self.volunteer:
                 return await _send(writer, _reply(Code.NOT_FORWARDING, "this peer does not forward"))
-            member = self.is_member(info.peer_id)   # a lookup of the caller's bucket when it is not in sight
-            if not (await member if inspect.isawaitable(member) else member):
+            if not await self._member(info.peer_id):
                 return await _send(writer, _reply(Code.NOT_MEMBER, "you are not a live member of this run"))
             if req.kind == "attach":
                 await self._hold(caller, reader, writer)
@@ -207,6 +206,17 @@ class RelayService:
         finally:
             self._tasks.discard(task)
             writer.close()
+
+    async def _member(self, peer_id: PeerID) -> bool:
+        """`is_member` may wait for a fresh listing (a joiner calls right after its first announcement, before our
+        next periodic listing names it): it gets until shortly before the caller's handshake times out."""
+        got = self.is_member(peer_id)
+        if inspect.isawaitable(got):
+            try:
+                got = await asyncio.wait_for(got, HANDSHAKE_TIMEOUT_S - 0.5)
+            except TimeoutError:
+                return False
+        return bool(got)
 
     async def _probe(self, addrs) -> tuple[bool, ...]:
         """TCP connect only (no byte sent), 2 s each, to at most MAX_PROBE_ADDRS addresses, none of them ours."""
@@ -311,11 +321,12 @@ class RelayService:
         if len(self._retry_at) > 4096:
             self._retry_at.pop(next(iter(self._retry_at)))
 
-    async def probe(self, probers: list[str], addrs: list[tuple[str, int]], timeout_s: float) -> list[bool]:
-        """Ask each prober whether it can dial any of `addrs`; one answer per prober that replied in time."""
-        answers = await asyncio.gather(*(ask_probe(self.routed._p2p, self.routed.relay_name, p, addrs, timeout_s)
-                                         for p in probers))
-        return [a for a in answers if a is not None]
+
+async def probe(p2p, relay_name: str, probers: list[str], addrs: list[tuple[str, int]], timeout_s: float
+                ) -> list[bool]:
+    """Ask each prober whether it can dial any of `addrs`; one answer per prober that replied in time."""
+    answers = await asyncio.gather(*(ask_probe(p2p, relay_name, p, addrs, timeout_s) for p in probers))
+    return [a for a in answers if a is not None]
 
 
 async def ask_probe(p2p, relay_name: str, peer: str, addrs: list[tuple[str, int]], timeout_s: float) -> bool | None:

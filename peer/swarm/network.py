@@ -24,8 +24,9 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from gasloc.peer.swarm.absence import AbsenceWatch
-from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe_addrs
+from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe, probe_addrs
 from gasloc.peer.swarm.membership import (
+    BucketReader,
     IdentityError,
     Membership,
     PeerRecord,
@@ -98,6 +99,10 @@ class Network:
         self.absence: AbsenceWatch | None = None  # set when the loop that ticks it starts
         self.swarm_key: bytes | None = None        # a private swarm's shared secret (swarm.key_path)
         self._identity_dir: str | None = None      # temporary home of a per-start identity, removed at close
+        self._identity: tuple[str, bool] | None = None   # (identity file, made just now), kept for a restart
+        self.relay: RelayService | None = None
+        self.private, self.reach_source = False, "config"
+        self.dht_client = False                    # our DHT node hosts no keys (behind NAT)
 
     def _identity_path(self) -> tuple[str, bool]:
         """The libp2p identity file and whether it is ours alone (made just now). Records are signed with this
@@ -117,11 +122,29 @@ class Network:
         fresh = str(Path(self._identity_dir) / "identity.key")
         P2P.generate_identity(fresh)
         return fresh, True
-        self.relay: RelayService | None = None
-        self.private, self.reach_source = False, "config"
 
     # ------------------------------------------------------------------ startup (main thread)
     def start_dht(self) -> None:
+        """Start the DHT node and learn our reachability. Known to be behind NAT (`private`), the node starts as a
+        DHT client; with `auto`, the dial-back probe runs right after the start, and a peer that learns it is behind
+        NAT starts its DHT again as a client - before anything is announced, and before the model exists (so the
+        fork of the DHT child stays small). hivemind cannot switch a running DHT node to client mode."""
+        net = self.cfg.network
+        self._start_dht(client=net.reachability == "private")
+        if net.reachability != "auto":
+            self.private, self.reach_source = net.reachability == "private", "config"
+            return
+        self.aio = LoopThread()
+        self.private, self.reach_source = self._learn_reachability()
+        if self.private:
+            t0 = time.monotonic()
+            replica = self.aio.run(self.dht.replicate_p2p(), net.startup_timeout_s)
+            shutdown_step("p2p.shutdown", lambda: self.aio.run(replica.shutdown(), 10))
+            shutdown_step("dht.shutdown", self.dht.shutdown)
+            self._start_dht(client=True, restart=True)
+            log.info("dht_restarted mode=client reason=%s took_s=%.1f", self.reach_source, time.monotonic() - t0)
+
+    def _start_dht(self, client: bool, restart: bool = False) -> None:
         net = self.cfg.network
         extra = {}
         if self.cfg.swarm.key_path is not None:
@@ -134,11 +157,14 @@ class Network:
         # known to be behind NAT: a DHT client (a NATed node that hosts keys makes them flaky for everyone, and
         # others' requests to it only time out) with libp2p's auto-relay on (circuit addresses, hole punching where
         # the addresses allow it; our exchanges do not rely on it: docs/nat.md)
-        if net.reachability == "private":
+        if client:
             extra.update(client_mode=True, use_auto_relay=True)
-        identity_path, fresh = self._identity_path()
-        if fresh:
-            extra["check_if_identity_free"] = False   # a key made this instant cannot be in use elsewhere
+        if self._identity is None:
+            self._identity = self._identity_path()
+        identity_path, fresh = self._identity
+        if fresh or restart:
+            # a key made this instant cannot be in use elsewhere; on a restart it was ours until a moment ago
+            extra["check_if_identity_free"] = False
         try:
             identity = load_identity(identity_path)
         except IdentityError as e:
@@ -163,15 +189,20 @@ class Network:
         if peer_id_of(self.signer.local_public_key) != self.peer_id:   # others would drop every record of ours
             raise StartupError(f"p2pd runs as {self.peer_id}, not as the identity in {identity_path}")
         self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        self.dht_client = bool(dht.client_mode)   # the node's own answer, not our request
+        if restart:
+            return
         if not net.initial_peers:
             public = [m for m in self.maddrs if "/127.0.0.1/" not in m and "/::1/" not in m] or self.maddrs
             log.warning("no initial peers: starting a new swarm; others join with --initial-peers %s",
                         public[0] if public else "<this peer's multiaddr>")
-        log.info("dht_started peer_id=%s maddrs=%s", self.peer_id, ",".join(self.maddrs))
+        log.info("dht_started peer_id=%s maddrs=%s mode=%s", self.peer_id, ",".join(self.maddrs),
+                 "client" if self.dht_client else "server")
 
     def start_services(self) -> None:
         """The event loop thread, the p2p replica (same daemon and peer id as the DHT) and the membership."""
-        self.aio = LoopThread()
+        if self.aio is None:
+            self.aio = LoopThread()
         timeout = self.cfg.network.startup_timeout_s
         self.p2p = RoutedP2P(self.aio.run(self.dht.replicate_p2p(), timeout), self.cfg.swarm.run_id, self._via_of)
         self.membership = Membership(self.dht, self.signer, run_id=self.cfg.swarm.run_id, peer_id=self.peer_id,
@@ -187,7 +218,6 @@ class Network:
         self.hints = HintBook(self.peer_id)
         self._check_layout(self.aio.run(self.membership.legacy_peers(), timeout), starting=True)
         self._take(self.aio.run(self.membership.probe(), timeout))
-        self.private, self.reach_source = self._learn_reachability()
         self.relay.volunteer = net.forwarding and not self.private
         self.aio.run(self.membership.announce(self._record()), timeout)
         self.listed_at = time.monotonic()
@@ -200,16 +230,23 @@ class Network:
 
     # ------------------------------------------------------------------ reachability (protocol/reach.py)
     def _learn_reachability(self) -> tuple[bool, str]:
-        """(behind NAT?, how we know): the config, or the dial-back probe of up to 5 live peers."""
+        """(behind NAT?, how we know) by the dial-back probe of up to 5 peers: our initial peers first (a gasloc
+        bootstrap answers; a lone first peer has nobody else to ask), then live peers of the run whose record says
+        `direct` (whatever their configuration: every gasloc peer of the run answers probes)."""
         net = self.cfg.network
-        if net.reachability != "auto":
-            return net.reachability == "private", "config"
         addrs = probe_addrs(list(net.announce_maddrs) or self.maddrs)
-        # bootstrap nodes first: they are meant to be public, and a lone first peer has nobody else to ask
-        probers = [*self._bootstrap_ids(), *(p for p, r in self.live.items() if r.reach == "direct")][:5]
+        timeout = net.startup_timeout_s
+        replica = self.aio.run(self.dht.replicate_p2p(), timeout)
+        listing = BucketReader(self.dht, run_id=self.cfg.swarm.run_id,
+                               request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3))
+        found = self.aio.run(listing.probe(), timeout + 1) or {}
+        direct = [p for p, r in found.items() if r.reach == "direct" and p != self.peer_id]
+        probers = list(dict.fromkeys([*self._bootstrap_ids(), *direct]))[:5]
         answers = []
         if addrs and probers:
-            answers = self.aio.run(self.relay.probe(probers, addrs, net.probe_timeout_s), net.probe_timeout_s + 2)
+            relay_name = RoutedP2P(replica, self.cfg.swarm.run_id, lambda peer: None).relay_name
+            answers = self.aio.run(probe(replica, relay_name, probers, addrs, net.probe_timeout_s),
+                                   net.probe_timeout_s + 2)
         return probed_reachability(bool(addrs), len(probers), answers)
 
     @property

@@ -97,8 +97,10 @@ def test_identity_taken_in_the_swarm_is_refused(harness):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_exits_cleanly(harness, sig):
     harness.bootstrap("boot")
-    tree = harness.tree("boot")
-    assert {"p2pd"} <= {comm for _, comm in tree}, tree
+    # the tree must hold p2pd before the signal, or the test proves nothing about reaping it; one full-suite run saw
+    # the snapshot right after READY without it (passing 2 of 2 alone), so it is polled for
+    harness.wait_until(lambda: {"p2pd"} <= {comm for _, comm in harness.tree("boot")}, 10,
+                       f"p2pd in the bootstrap's process tree (last seen: {harness.tree('boot')})")
     harness.child("boot").signal(sig)
     t0 = time.monotonic()
     assert harness.wait_exit("boot", 20) == 0

@@ -318,11 +318,6 @@ class Network:
         else:
             self.aio.loop.call_soon_threadsafe(self._announce_wanted.set)
 
-    def request_listing(self, max_age_s: float = 0.0) -> None:
-        """On the loop: ask the lister for a fresh listing unless the cached one is younger than max_age_s."""
-        if time.monotonic() - self.listed_at >= max_age_s:
-            self._list_wanted.set()
-
     def search_begins(self) -> None:
         """On the loop: a partner search starts; its listings back off from the first (listing_interval_s)."""
         self._search_listings = 0

@@ -3,9 +3,9 @@
 
 What must hold: each NATed peer learns it is behind NAT (one by the dial-back probe, one from the config), joins by
 downloading the state, pairs >= 3 times, at least once with the other NATed peer (through a forwarder: the metrics
-name it) and once with a public peer, and completes >= 90% of the public peers' rounds in the same time; the public peers never
-dial a NATed one directly (only through a forwarder); gasloc doctor says which host is behind NAT. Needs root,
-`ip netns` and iptables."""
+name it) and once with a public peer, and completes >= 90% of the public peers' rounds in the same time; the public
+peers never dial a NATed one directly (only through a forwarder); gasloc doctor says which host is behind NAT. Needs
+root, `ip netns` and iptables."""
 from __future__ import annotations
 
 import importlib.util

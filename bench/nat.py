@@ -6,7 +6,8 @@ own exchange code (peer/transport/exchange.py), one worker process per host (ben
             a libp2p circuit relay (p2pd's own) and a gasloc forwarder (peer/swarm/forward.py)
     pub     public host
     na, nb  one host behind each of two home routers (MASQUERADE, nothing forwarded in), p2pd forced private with
-            auto-relay and the relay as trusted relay; nb holds a relay reservation and a gasloc attachment
+            auto-relay and the relay as their static relay (-relayDiscovery=false: a reservation at once, not after
+            go-libp2p's 3-minute boot delay); nb holds a relay reservation and a gasloc attachment
 
 Paths, each for the tiny and the medium preset's parameters (float32, both ways at once, caller na):
     direct      na -> pub: a NATed peer calls a public one (no middle)
@@ -17,6 +18,7 @@ Paths, each for the tiny and the medium preset's parameters (float32, both ways 
     python bench/nat.py --json nat.json                 # the table (both presets) and the relay's limits
     python bench/nat.py --relay-limits --json lim.json  # only the relay measurements (add --time-limit: +2.5 min)
     python bench/nat.py --quick --json q.json           # tiny preset, one run each, one relay trial
+    python bench/nat.py --rows-only --json rows.json    # only the table (no relay trials)
 
 Root only (ip netns, iptables). Everything is created in namespaces `gnb<pid>x...` and removed afterwards, also on
 an exception or Ctrl+C; leftovers of a killed run are removed at the next start.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import select
 import signal
 import statistics
@@ -120,9 +123,14 @@ def payload_bytes(specs: list[list[int]]) -> int:
 
 
 class Lab:
-    """The four workers on a NatLab; `relay_flags` are extra p2pd flags of the relay's daemon."""
+    """The four workers on a NatLab; `relay_flags` are extra p2pd flags of the relay's daemon.
 
-    def __init__(self, nat, relay_flags: dict[str, str] | None = None):
+    The NATed daemons reserve on the relay host as a static relay (`-relayDiscovery=false`, which hivemind's
+    P2P.create never passes): go-libp2p's autorelay then needs as many candidates as there are static relays, one,
+    and reserves at once. With discovery on (hivemind's default, `relay_discovery=True`) it waits for 4 candidates
+    or its 3-minute boot delay, and a lab has 2 (the relay host and `pub`): that was the ~3-minute wait."""
+
+    def __init__(self, nat, relay_flags: dict[str, str] | None = None, relay_discovery: bool = False):
         self.nat, self.workers = nat, {}
         self.relay_ip = nat.ip("relay")
         flags = [f"--p2pd-flag={k}={v}" for k, v in (relay_flags or {}).items()]
@@ -132,7 +140,7 @@ class Lab:
             self.relay_maddr = f"/ip4/{self.relay_ip}/tcp/{RELAY_PORT}/p2p/{self.relay.peer_id}"
             relay_dns = f"/dns4/relay.lab/tcp/{RELAY_PORT}/p2p/{self.relay.peer_id}"
             nated = ("--initial-peer", self.relay_maddr, "--auto-relay", "--trusted-relay", relay_dns,
-                     "--reachability", "private")
+                     "--reachability", "private", *(() if relay_discovery else ("--p2pd-flag=relayDiscovery=false",)))
             # the other three start together (each is a Python with torch and a p2pd: seconds on a busy machine)
             self.pub = self._start("pub", "--initial-peer", self.relay_maddr, "--reachability", "public")
             self.nb = self._start("nb", *nated)
@@ -158,6 +166,17 @@ class Lab:
             w.stop()
 
 
+def start_lab(nat, relay_flags: dict[str, str] | None = None, relay_discovery: bool = False) -> Lab:
+    """A Lab, started a second time if a daemon failed to start (seen once in six: a NATed p2pd's "failed to
+    connect to bootstrap peers" right after the previous trial's daemons went down)."""
+    try:
+        return Lab(nat, relay_flags, relay_discovery)
+    except BenchError as e:
+        print(f"lab start failed, once more: {str(e)[:200]}", flush=True)
+        time.sleep(5)
+        return Lab(nat, relay_flags, relay_discovery)
+
+
 def relay_trial(lab: Lab, nbytes: int, reservation_timeout_s: float) -> dict:
     """A relayed connection na -> nb, then `nbytes` pushed over one stream: how far they got."""
     res = lab.nb.call("reservation", reservation_timeout_s + 10, timeout_s=reservation_timeout_s)
@@ -165,7 +184,7 @@ def relay_trial(lab: Lab, nbytes: int, reservation_timeout_s: float) -> dict:
     if res["seconds"] is None:
         out["outcome"] = f"no reservation within {reservation_timeout_s:.0f} s"
         return out
-    conn = lab.na.call("connect", 60, peer=lab.nb.peer_id, maddr=lab.circuit)
+    conn = lab.na.call("connect", 60, peer=lab.nb.peer_id, maddr=lab.circuit, fresh=True)
     out["connect"] = conn
     if not conn["ok"]:
         out["outcome"] = f"relayed connect failed: {conn['error']}"
@@ -174,18 +193,34 @@ def relay_trial(lab: Lab, nbytes: int, reservation_timeout_s: float) -> dict:
     sunk = lab.nb.call("sunk", 30)
     out.update(push=push, sunk=sunk)
     got = sunk.get("bytes")
+    out["relay_counted"] = relayed_bytes(lab.relay.call("logs", 30, pattern=r"relayed \d+ bytes from")["lines"],
+                                         lab.na.peer_id, lab.nb.peer_id)
     if got == nbytes and not push["error"]:
         out["outcome"] = f"all {nbytes} bytes through"
     else:
-        out["outcome"] = f"reset after {got} bytes received ({push['written']} written; {push['error'] or sunk['error']})"
+        counted = f"; the relay counted {out['relay_counted']}" if out["relay_counted"] is not None else ""
+        out["outcome"] = (f"reset after {got} bytes received ({push['written']} written{counted}; "
+                          f"{push['error'] or sunk['error']})")
     out["bytes_received"] = got
     return out
+
+
+def relayed_bytes(lines: list[str], src: str, dst: str) -> int | None:
+    """What the relay host's p2pd says it relayed from `src` to `dst` on one circuit (go-libp2p's relay logs
+    "relayed N bytes from A to B" at debug level when a circuit ends): the largest such N, None if none was logged.
+    A reset drops what was in flight, so this is the exact cut where the sink's count is a lower bound."""
+    best = None
+    for line in lines:
+        m = re.search(r"relayed (\d+) bytes from (\S+) to (\S+?)\W*$", _msg(line))
+        if m and m.group(2) == src and m.group(3) == dst:
+            best = max(best or 0, int(m.group(1)))
+    return best
 
 
 def time_limit_trial(lab: Lab, duration_s: float) -> dict:
     """A trickle (1 KiB every 5 s, far below any byte limit) over a fresh relayed connection: when is it cut?
     (A relay's limits are per relayed connection, and the byte trial before this one may have used it up.)"""
-    conn = lab.na.call("connect", 60, peer=lab.nb.peer_id, maddr=lab.circuit)
+    conn = lab.na.call("connect", 60, peer=lab.nb.peer_id, maddr=lab.circuit, fresh=True)
     if not conn["ok"]:
         return {"outcome": f"relayed connect failed: {conn['error']}"}
     push = lab.na.call("push", duration_s + 60, peer=lab.nb.peer_id, nbytes=int(duration_s / 5 + 1) * KIB,
@@ -199,6 +234,17 @@ def time_limit_trial(lab: Lab, duration_s: float) -> dict:
     return {"push": push, "sunk": sunk, "outcome": outcome}
 
 
+def answered_at(trial: dict) -> int | None:
+    """The byte count to read the answering relay off: all bytes through says nothing of a limit but that it is
+    above the payload; a cut one is read at the relay's own count where it logged one (the sink lost what was in
+    flight). The relay's count is used only for a cut: an uncut circuit is still open and logged nothing, and what
+    it did log then is another, earlier circuit between the two (a DHT request, a few KiB)."""
+    got = trial.get("bytes_received")
+    if got is not None and got == trial.get("push", {}).get("written") and not trial["push"]["error"]:
+        return got
+    return trial.get("relay_counted") or got
+
+
 def which_relay(received: int | None, configured_limit: int | None) -> str:
     """Read the answering relay off where the stream was cut."""
     if received is None:
@@ -210,23 +256,27 @@ def which_relay(received: int | None, configured_limit: int | None) -> str:
     return "p2pd's configured relay (limit above the payload)"
 
 
-def relay_limits(nat, trials: int, payload: int, time_limit: bool, reservation_timeout_s: float) -> dict:
-    """Relayed transfers with fresh daemons: `trials` with p2pd's defaults, one with -relayDataLimit lowered to
-    1 MiB (does our configuration reach the relay that answers?), one with -relayService=false."""
-    variants = [("defaults", {}, None)] * trials + [("relayDataLimit=1MiB", {"relayDataLimit": str(1 << 20)}, 1 << 20),
-                                                     ("relayService=false", {"relayService": "false"}, None)]
+def relay_limits(nat, trials: int, payload: int, time_limit: bool, reservation_timeout_s: float,
+                 relay_discovery: bool = False, limit_trials: int = 1) -> dict:
+    """Relayed transfers with fresh daemons: `trials` with p2pd's defaults, `limit_trials` with -relayDataLimit
+    lowered to 1 MiB (does our configuration reach the relay that answers?), one with -relayService=false."""
+    lowered = ("relayDataLimit=1MiB", {"relayDataLimit": str(1 << 20)}, 1 << 20)
+    variants = ([("defaults", {}, None)] * trials + [lowered] * limit_trials
+                + [("relayService=false", {"relayService": "false"}, None)])
     out = []
-    for i, (name, flags, limit) in enumerate(variants):
+    for name, flags, limit in variants:
         if out and out[0]["reservation_s"] is None:
             # without a reservation nothing is relayed, and the variants change only the relay's side
             out.append({"variant": name, "relay_flags": flags, "reservation_s": None,
                         "outcome": "skipped: the first trial got no reservation", "answered_by": "-"})
             continue
-        lab = Lab(nat, flags)
+        lab = start_lab(nat, flags, relay_discovery)
         try:
             t = relay_trial(lab, payload, reservation_timeout_s)
-            t.update(variant=name, relay_flags=flags, answered_by=which_relay(t.get("bytes_received"), limit))
-            if time_limit and i == 0 and t.get("bytes_received") is not None:
+            t.update(variant=name, relay_flags=flags, answered_by=which_relay(answered_at(t), limit))
+            # the time limit of the relay that answers without -relayService (go-libp2p's defaults, the one that
+            # races the configured one): 2.5 minutes of trickle, once
+            if time_limit and name == "relayService=false" and t.get("bytes_received") is not None:
                 t["time_limit"] = time_limit_trial(lab, 150.0)
             out.append(t)
             print(f"relay {name}: reservation {t['reservation_s']} s; {t['outcome']}; {t['answered_by']}",
@@ -236,8 +286,25 @@ def relay_limits(nat, trials: int, payload: int, time_limit: bool, reservation_t
     return {"payload_bytes": payload, "trials": out}
 
 
-def exchange_rows(nat, presets: list[str], repeats: int, reservation_timeout_s: float) -> list[dict]:
-    lab = Lab(nat)
+def lab_with_configured_relay(nat, tries: int, reservation_timeout_s: float, relay_discovery: bool) -> Lab:
+    """Start labs until the relay host's p2pd answers with its configured relay (which of its two relays answers is
+    decided at its start: a tiny-preset push over a circuit goes through, or is cut at 128 KiB); at most `tries`.
+    The relayed rows then measure an exchange over the relay that allows one; the last lab is kept either way."""
+    tiny = payload_bytes(param_specs("tiny"))
+    for k in range(tries):
+        lab = start_lab(nat, relay_discovery=relay_discovery)
+        trial = relay_trial(lab, tiny, reservation_timeout_s)
+        print(f"lab {k + 1}: {trial['outcome']}", flush=True)
+        if trial.get("bytes_received") == tiny or k == tries - 1:
+            return lab
+        lab.stop()
+    raise AssertionError("unreachable")
+
+
+def exchange_rows(nat, presets: list[str], repeats: int, reservation_timeout_s: float,
+                  relay_discovery: bool = False, configured_relay_tries: int = 0) -> list[dict]:
+    lab = (lab_with_configured_relay(nat, configured_relay_tries, reservation_timeout_s, relay_discovery)
+           if configured_relay_tries else start_lab(nat, relay_discovery=relay_discovery))
     rows = []
     try:
         res = lab.nb.call("reservation", reservation_timeout_s + 10, timeout_s=reservation_timeout_s)
@@ -246,9 +313,13 @@ def exchange_rows(nat, presets: list[str], repeats: int, reservation_timeout_s: 
             raise BenchError("nb could not attach to the relay's gasloc forwarder")
         # the address without its /p2p/<id> part: p2pd's connect takes the peer id separately
         pub_maddr = next(m for m in lab.pub.maddrs if f"/ip4/{nat.ip('pub')}/tcp/" in m).split("/p2p/")[0]
-        dialled = lab.na.call("connect", 60, peer=lab.pub.peer_id, maddr=pub_maddr)
+        # fresh: pub's DHT may have reached na over na's circuit address already, and p2pd's connect returns at
+        # once for a peer it is connected to by any path - the "direct" row then ran over the relay (seen once)
+        dialled = lab.na.call("connect", 60, peer=lab.pub.peer_id, maddr=pub_maddr, fresh=True)
         if not dialled["ok"]:
             raise BenchError(f"na cannot dial the public host at {pub_maddr}: {dialled['error']}")
+        if not any("p2p-circuit" not in a for a in dialled["addrs"]):
+            raise BenchError(f"na has no direct connection to the public host: {dialled['addrs']}")
         relayed = relayed_connect(lab, res)
         rows.append(holepunch_row(lab, relayed))   # DCUtR runs right after the relayed connection opens
         for preset in presets:
@@ -287,7 +358,7 @@ def exchange_rows(nat, presets: list[str], repeats: int, reservation_timeout_s: 
 def relayed_connect(lab: Lab, reservation: dict) -> dict:
     if reservation["seconds"] is None:
         return {"ok": False, "error": "nb got no relay reservation"}
-    conn = lab.na.call("connect", 60, peer=lab.nb.peer_id, maddr=lab.circuit)
+    conn = lab.na.call("connect", 60, peer=lab.nb.peer_id, maddr=lab.circuit, fresh=True)
     if conn["ok"] and not all("p2p-circuit" in a for a in conn["addrs"]):
         conn = {"ok": False, "error": f"na reached nb without the relay: {conn['addrs']}"}
     return conn
@@ -323,7 +394,9 @@ def holepunch_row(lab: Lab, conn: dict) -> dict:
         row["outcome"] = f"direct connection after DCUtR: {direct}"
     else:
         reason = next((line for h in ("nb", "na") for line in logs[h] if "public address" in line), "")
-        row["outcome"] = "no direct connection: " + (_msg(reason) or "p2pd logged no hole-punch attempt")
+        # go-libp2p glues the peer id to the message ("...public addresspeer12D3...")
+        said = re.sub(r"peer\w+$", "", _msg(reason))
+        row["outcome"] = "no direct connection: " + (f"p2pd: {said!r}" if said else "p2pd logged no hole-punch attempt")
     return row
 
 
@@ -357,12 +430,27 @@ def markdown(result: dict) -> str:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="write the results here")
 @click.option("--quick", is_flag=True, help="tiny preset, one run per path, one relay trial")
 @click.option("--relay-limits", "limits_only", is_flag=True, help="only the relay measurements")
-@click.option("--time-limit", is_flag=True, help="also trickle over a relayed stream for 150 s (its time limit)")
+@click.option("--rows-only", is_flag=True, help="only the table of exchanges by path (no relay trials)")
+@click.option("--configured-relay-tries", type=click.IntRange(0, 10), default=0, show_default=True,
+              help="for the table: start up to this many labs until the relay host answers with p2pd's configured "
+                   "relay, so that the relayed rows measure an exchange over it (0: the first lab, either relay)")
+@click.option("--push-preset", type=click.Choice(PRESETS), default="tiny", show_default=True,
+              help="the relay trials push this preset's parameter bytes over the circuit")
+@click.option("--time-limit", is_flag=True, help="also trickle 150 s over a circuit of the relayService=false trial (the default relay's time limit)")
 @click.option("--repeats", type=click.IntRange(1, 20), default=3, show_default=True)
-@click.option("--trials", type=click.IntRange(1, 20), default=3, show_default=True,
+@click.option("--trials", type=click.IntRange(0, 20), default=3, show_default=True,
               help="relay trials with p2pd's default flags (each with fresh daemons)")
-@click.option("--reservation-timeout-s", type=click.FloatRange(1, 600), default=240, show_default=True)
-def main(json_out, quick, limits_only, time_limit, repeats, trials, reservation_timeout_s) -> None:
+@click.option("--limit-trials", type=click.IntRange(1, 20), default=1, show_default=True,
+              help="relay trials with -relayDataLimit lowered to 1 MiB (which relay answers is decided at each start)")
+@click.option("--reservation-timeout-s", type=click.FloatRange(1, 600), default=60, show_default=True)
+@click.option("--relay-discovery", is_flag=True,
+              help="NATed daemons find relays by discovery (hivemind's default) instead of the relay host as static "
+                   "relay: the reservation then waits out go-libp2p's 3-minute boot delay (pass "
+                   "--reservation-timeout-s 240)")
+def main(json_out, quick, limits_only, rows_only, configured_relay_tries, push_preset, time_limit, repeats, trials, limit_trials, reservation_timeout_s,
+         relay_discovery) -> None:
+    if limits_only and rows_only:
+        raise click.UsageError("--relay-limits and --rows-only exclude each other")
     why = netlab.nat_unavailable_reason()
     if why:
         raise click.ClickException(f"the NAT lab cannot run here: {why}")
@@ -374,16 +462,22 @@ def main(json_out, quick, limits_only, time_limit, repeats, trials, reservation_
     nat = netlab.NatLab(netlab.run_prefix(TAG), public=["relay", "pub"], homes=["na", "nb"])
     result = {"lab": None, "rows": [], "relay_limits": None}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))     # the finally below removes the lab
-    with nat:
-        result["lab"] = nat.describe()
-        tiny = payload_bytes(param_specs("tiny"))
-        result["relay_limits"] = relay_limits(nat, trials, tiny, time_limit, reservation_timeout_s)
-        if not limits_only:
-            got_one = any(t["reservation_s"] is not None for t in result["relay_limits"]["trials"])
-            result["rows"] = exchange_rows(nat, presets, repeats, reservation_timeout_s if got_one else 10.0)
+    try:
+        with nat:
+            result["lab"] = nat.describe()
+            got_one = True
+            if not rows_only:
+                pushed = payload_bytes(param_specs(push_preset))
+                result["relay_limits"] = relay_limits(nat, trials, pushed, time_limit, reservation_timeout_s,
+                                                      relay_discovery, limit_trials)
+                got_one = any(t["reservation_s"] is not None for t in result["relay_limits"]["trials"])
+            if not limits_only:
+                result["rows"] = exchange_rows(nat, presets, repeats, reservation_timeout_s if got_one else 10.0,
+                                               relay_discovery, configured_relay_tries)
+    finally:     # what was measured before a failure is kept
+        if json_out:
+            Path(json_out).write_text(json.dumps(result, indent=1))
     print(markdown(result))
-    if json_out:
-        Path(json_out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ object per line (logs go to stderr):
 
     <- {"ready": {"peer_id": ..., "maddrs": [...]}}
     -> {"op": "reservation", "timeout_s": T}        wait until p2pd announces a /p2p-circuit address
-    -> {"op": "connect", "peer": ID, "maddr": M}    connect to ID at M (a circuit address forces the relay)
+    -> {"op": "connect", "peer": ID, "maddr": M, "fresh": F}   connect to ID at M (a circuit address forces the
+                                                     relay; fresh: close existing connections to ID first)
     -> {"op": "conns", "peer": ID}                   the addresses of our connections to ID
     -> {"op": "push", "peer": ID, "nbytes": N, "chunk": C, "interval_s": S}   write to ID's sink until N or an error
     -> {"op": "sunk"}                                what our sink saw of the next (or last unread) stream
@@ -92,12 +93,15 @@ class Worker:
             await asyncio.sleep(0.5)
         return {"seconds": None, "maddrs": []}
 
-    async def connect(self, peer: str, maddr: str) -> dict:
+    async def connect(self, peer: str, maddr: str, fresh: bool = False) -> dict:
+        """Connect to `peer` at `maddr`. p2pd returns at once when any connection to it exists (a relayed one
+        too): `fresh` closes those first, so that the connection made is the one dialled at `maddr`."""
         from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
         t0 = time.monotonic()
         try:
-            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(maddr)]), 30)
+            if fresh:
+                await asyncio.wait_for(self.p2p._client.disconnect(PeerID.from_base58(peer)), 10)
+            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), [GoMaddr(maddr)]), 30)
         except Exception as e:  # noqa: BLE001 - reported to the orchestrator, which writes it into the table
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return {"ok": True, "seconds": time.monotonic() - t0, **await self.conns(peer)}
@@ -219,6 +223,44 @@ class Worker:
     async def logs(self, pattern: str) -> dict:
         rx = re.compile(pattern)
         return {"lines": [line for line in self.p2pd_lines if rx.search(line)][-200:]}
+
+
+P2P_CODE, CIRCUIT_CODE = 421, 290     # multiaddr protocol codes of /p2p/<id> and /p2p-circuit
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+class GoMaddr:
+    """A multiaddr in the binary form p2pd (go-multiaddr) parses. The Python multiaddr that hivemind bundles writes
+    the value of /p2p/<id> as a CID (0x01 0x72 ... before the multihash); go-multiaddr expects the bare multihash
+    and rejects the address ("length greater than remaining number of bytes in buffer"), so a circuit address
+    (/ip4/../tcp/../p2p/<relay>/p2p-circuit) is encoded here by hand. p2pclient's connect calls only to_bytes()."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def to_bytes(self) -> bytes:
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+        out, rest = b"", self.text
+        while rest:
+            if rest.startswith("/p2p-circuit"):
+                out, rest = out + _varint(CIRCUIT_CODE), rest[len("/p2p-circuit"):]
+            elif rest.startswith("/p2p/"):
+                pid, _, tail = rest[len("/p2p/"):].partition("/")
+                mh = PeerID.from_base58(pid).to_bytes()
+                out, rest = out + _varint(P2P_CODE) + _varint(len(mh)) + mh, "/" + tail if tail else ""
+            else:
+                cut = min((i for i in (rest.find("/p2p/"), rest.find("/p2p-circuit")) if i > 0), default=len(rest))
+                out, rest = out + Multiaddr(rest[:cut]).to_bytes(), rest[cut:]
+        return out
 
 
 async def main(args) -> None:

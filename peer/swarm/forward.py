@@ -74,6 +74,11 @@ def probe_addrs(maddrs: list[str]) -> list[tuple[str, int]]:
     return out[:MAX_PROBE_ADDRS]
 
 
+def relay_handler_name(namespace: str) -> str:
+    """The stream handler of a run's relay service (probes, attachments, forward requests)."""
+    return f"{namespace}::gasloc.relay.v{PROTOCOL_VERSION}"
+
+
 class RoutedP2P:
     """hivemind's P2P with calls to NATed peers sent through a forwarder and forwarded streams dispatched to our own
     handlers. `via_of(peer)` is None for a direct call, else the forwarders to try (peer ids). Everything else is
@@ -81,7 +86,7 @@ class RoutedP2P:
 
     def __init__(self, p2p, namespace: str, via_of: Callable[[str], list[str] | None]):
         self._p2p, self.via_of = p2p, via_of
-        self.relay_name = f"{namespace}::gasloc.relay.v{PROTOCOL_VERSION}"
+        self.relay_name = relay_handler_name(namespace)
         self.forwarded_name = f"{namespace}::gasloc.forwarded.v{PROTOCOL_VERSION}"
         self._local: dict[str, Callable] = {}
         self.path: dict[str, str] = {}     # peer -> "direct" or "forwarded:<forwarder>" of our last stream with it
@@ -151,8 +156,10 @@ class RelayService:
     answers probes. Counters for metrics: forwarded_bytes (both directions), forwarded_circuits."""
 
     def __init__(self, routed: RoutedP2P, *, is_member: Callable[[PeerID], bool | Awaitable[bool]], volunteer: bool,
-                 max_circuits: int, max_attached: int, circuit_timeout_s: float):
+                 max_circuits: int, max_attached: int, circuit_timeout_s: float,
+                 on_detached: Callable[[], None] = lambda: None):
         self.routed, self.is_member = routed, is_member
+        self.on_detached = on_detached     # an attachment ended (refused, failed or lost): `via` just shrank
         self.volunteer, self.max_circuits, self.max_attached = volunteer, max_circuits, max_attached
         self.circuit_timeout_s = circuit_timeout_s
         self.attached_peers: set[str] = set()        # as a forwarder: NATed peers attached to us
@@ -288,7 +295,9 @@ class RelayService:
             if len(self.attachments) >= want:
                 break
             if fwd not in self.attachments and self._retry_at.get(fwd, 0.0) <= now:
-                self.attachments[fwd] = asyncio.ensure_future(self._attach(fwd))
+                self.attachments[fwd] = task = asyncio.ensure_future(self._attach(fwd))
+                # done: `via` no longer lists it, and our record should not either
+                task.add_done_callback(lambda _: self.on_detached())
 
     async def _attach(self, fwd: str) -> None:
         """One attachment: open the stream, then hold it until the forwarder closes it (or stop())."""

@@ -24,7 +24,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from gasloc.peer.swarm.absence import AbsenceWatch
-from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe, probe_addrs
+from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe, probe_addrs, relay_handler_name
 from gasloc.peer.swarm.membership import (
     BucketReader,
     IdentityError,
@@ -93,6 +93,8 @@ class Network:
         self.signer = None
         self._tasks: list = []
         self.listed_at = 0.0
+        self._announce_wanted: asyncio.Event | None = None   # made on the loop (start_services)
+        self._list_wanted: asyncio.Event | None = None
         self._snapshot = None       # the state a joiner downloads, taken on demand (round_boundary)
         self._waiters: list[asyncio.Future] = []  # state-server requests waiting for the next round boundary
         self._waiters_lock = threading.Lock()
@@ -135,11 +137,14 @@ class Network:
             self.private, self.reach_source = net.reachability == "private", "config"
             return
         self.aio = LoopThread()
-        self.private, self.reach_source = self._learn_reachability()
+        # a client of the DHT's daemon for the probe only: closed here (the daemon itself is the DHT's)
+        replica = self.aio.run(self.dht.replicate_p2p(), net.startup_timeout_s)
+        try:
+            self.private, self.reach_source = self._learn_reachability(replica)
+        finally:
+            shutdown_step("p2p.shutdown", lambda: self.aio.run(replica.shutdown(), 10))
         if self.private:
             t0 = time.monotonic()
-            replica = self.aio.run(self.dht.replicate_p2p(), net.startup_timeout_s)
-            shutdown_step("p2p.shutdown", lambda: self.aio.run(replica.shutdown(), 10))
             shutdown_step("dht.shutdown", self.dht.shutdown)
             self._start_dht(client=True, restart=True)
             log.info("dht_restarted mode=client reason=%s took_s=%.1f", self.reach_source, time.monotonic() - t0)
@@ -213,7 +218,8 @@ class Network:
         net = self.cfg.network
         self.relay = RelayService(self.p2p, is_member=self.confirm_member, volunteer=False,
                                   max_circuits=net.forward_max_circuits, max_attached=net.forward_max_attached,
-                                  circuit_timeout_s=self.cfg.exchange.exchange_timeout_s + 5)
+                                  circuit_timeout_s=self.cfg.exchange.exchange_timeout_s + 5,
+                                  on_detached=self._via_shrank)
         self.aio.run(self.relay.start(), timeout)
         self.hints = HintBook(self.peer_id)
         self._check_layout(self.aio.run(self.membership.legacy_peers(), timeout), starting=True)
@@ -222,6 +228,9 @@ class Network:
         self.aio.run(self.membership.announce(self._record()), timeout)
         self.listed_at = time.monotonic()
         self._announce_wanted, self._list_wanted = self.aio.run(_make_events(), timeout)
+        # behind NAT: attach now, not at the first background listing (1-2 s on), so that the record the announcer
+        # stores next names our forwarders from our first round on; until then nobody can call us (docs/nat.md)
+        self.aio.run(self._attach_now(), timeout)
         self.absence = AbsenceWatch()
         self._tasks = [self.aio.submit(self._announcer()), self.aio.submit(self._lister()),
                        self.aio.submit(self._watch()), self.aio.submit(self._legacy_watch())]
@@ -229,14 +238,13 @@ class Network:
                  1 << self.membership.level, self.membership.estimate.value, len(self.live))
 
     # ------------------------------------------------------------------ reachability (protocol/reach.py)
-    def _learn_reachability(self) -> tuple[bool, str]:
+    def _learn_reachability(self, replica) -> tuple[bool, str]:
         """(behind NAT?, how we know) by the dial-back probe of up to 5 peers: our initial peers first (a gasloc
         bootstrap answers; a lone first peer has nobody else to ask), then live peers of the run whose record says
         `direct` (whatever their configuration: every gasloc peer of the run answers probes)."""
         net = self.cfg.network
         addrs = probe_addrs(list(net.announce_maddrs) or self.maddrs)
         timeout = net.startup_timeout_s
-        replica = self.aio.run(self.dht.replicate_p2p(), timeout)
         listing = BucketReader(self.dht, run_id=self.cfg.swarm.run_id,
                                request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3))
         found = self.aio.run(listing.probe(), timeout + 1) or {}
@@ -244,8 +252,8 @@ class Network:
         probers = list(dict.fromkeys([*self._bootstrap_ids(), *direct]))[:5]
         answers = []
         if addrs and probers:
-            relay_name = RoutedP2P(replica, self.cfg.swarm.run_id, lambda peer: None).relay_name
-            answers = self.aio.run(probe(replica, relay_name, probers, addrs, net.probe_timeout_s),
+            answers = self.aio.run(probe(replica, relay_handler_name(self.cfg.swarm.run_id), probers, addrs,
+                                         net.probe_timeout_s),
                                    net.probe_timeout_s + 2)
         return probed_reachability(bool(addrs), len(probers), answers)
 
@@ -280,6 +288,13 @@ class Network:
             return {}
         return {"reach": self.reach, "via": len(r.via), "forwarded_bytes": r.forwarded_bytes,
                 "forwarded_circuits": r.forwarded_circuits}
+
+    async def _attach_now(self) -> None:
+        self._keep_attached()
+
+    def _via_shrank(self) -> None:
+        if self._announce_wanted is not None:
+            self._announce_wanted.set()
 
     def _keep_attached(self) -> None:
         if not self.private:

@@ -3,9 +3,9 @@
 
 What must hold: each NATed peer learns it is behind NAT (one by the dial-back probe, one from the config), joins by
 downloading the state, pairs >= 3 times, at least once with the other NATed peer (through a forwarder: the metrics
-name it) and once with a public peer, and keeps (nearly) up with the public peers' rounds; the public peers never
-dial a NATed one directly (only through a forwarder); gasloc doctor says which host is behind NAT. Needs root,
-`ip netns` and iptables."""
+name it) and once with a public peer, and completes >= 90% of the public peers' rounds in the same time; the public
+peers never dial a NATed one directly (only through a forwarder); gasloc doctor says which host is behind NAT. Needs
+root, `ip netns` and iptables."""
 from __future__ import annotations
 
 import importlib.util
@@ -135,18 +135,22 @@ def test_two_nated_peers_pair_with_each_other_and_with_public_peers(lab, harness
         status, first = verdict.split(" ", 1)
         assert r.returncode == 0 and f"reachability │ {status} │ {first}" in flat and fix in flat, r.stdout + r.stderr
 
-    # keeping up: rounds finished in [t0, t1] by each NATed peer against the public peers' (same run, same window)
-    def count(n: str) -> int:
-        return sum(1 for r in rounds(h, n) if t0 < r["time"] <= t1)
-    # Before public peers called NATed ones through their forwarders, NATed peers waited 0.56 s per round against
-    # 0.17 s and finished 14-17 of 20 (docs/nat.md).
-    public_rounds = min(count(n) for n in PUBLIC)
-    print("nat-summary", summary(h, [*PUBLIC, *NATED], names, t0, t1))   # docs/nat.md quotes these (pytest -s)
-    # The issue asks 90%; measured 85-95% in four runs of this test (2026-12-01: 19-20 of 20-21, 17-20 of 20-21,
-    # 18 of 20, 17-19 of 20-22), so 90% is not reliably met and the test holds 80%: it catches the regression to
-    # 70% (14 of 20) of before the callee-side forwarding, not the last 10% (docs/nat.md).
+    # keeping up: each peer's round rate over the window, from its first round finished in (t0, t1] to its last.
+    # Not the counts: t1 is the moment the slower public peer finished its 20th round and t0 the moment the NATed
+    # peers started, so at equal speeds the counts lose a NATed peer ~1 round of 20 (half a round at each end;
+    # docs/nat.md). Before public peers called NATed ones through their forwarders, NATed peers waited 0.56 s per
+    # round against 0.17 s and finished 14-17 of 20.
+    def per_s(n: str) -> float:
+        ts = [r["time"] for r in rounds(h, n) if t0 < r["time"] <= t1]
+        return (len(ts) - 1) / (ts[-1] - ts[0])
+    rates = {n: per_s(n) for n in [*PUBLIC, *NATED]}
+    public_rate = sum(rates[n] for n in PUBLIC) / len(PUBLIC)
+    print("nat-summary", summary(h, [*PUBLIC, *NATED], names, t0, t1),    # docs/nat.md quotes these (pytest -s)
+          "rate-vs-public", {n: round(rates[n] / public_rate, 3) for n in NATED})
+    # the issue's 90%: met in 3 runs in a row (2026-12-01, rates 0.94-1.06 of the public peers'); with counts and
+    # attachments made at the first listing, 85-100% in four runs and the test held 80%
     for n in NATED:
-        assert count(n) >= 0.8 * public_rounds, {k: count(k) for k in [*PUBLIC, *NATED]}
+        assert rates[n] >= 0.9 * public_rate, {k: round(v, 3) for k, v in rates.items()}
 
 
 def summary(h: Harness, peers: list[str], names: dict[str, str], t0: float, t1: float) -> dict:

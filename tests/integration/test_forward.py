@@ -26,7 +26,7 @@ def tensors(seed):
 def relay(routed, members, volunteer=True, **kw):
     return RelayService(routed, is_member=lambda pid: str(pid) in members, volunteer=volunteer,
                         max_circuits=kw.get("max_circuits", 8), max_attached=kw.get("max_attached", 4),
-                        circuit_timeout_s=20)
+                        circuit_timeout_s=20, on_detached=kw.get("on_detached", lambda: None))
 
 
 async def ask(p2p, peer, request: bytes | RelayRequest, name=f"{NS}::gasloc.relay.v1") -> RelayReply:
@@ -118,10 +118,14 @@ def test_bad_relay_requests_get_codes():
 
 @pytest.mark.timeout(60)
 def test_forwarded_streams_only_from_forwarders_we_attached_to():
+    """...and an attachment that ends (refused, or lost) is reported at once (on_detached), so the peer re-announces
+    its `via` then, not at its next listing (peer/swarm/network.py)."""
     async def main():
         async with p2p_nodes(2) as (b, c):
             rb = RoutedP2P(b, NS, lambda peer: None)
-            sb = relay(rb, {str(b.peer_id), str(c.peer_id)}, volunteer=False)
+            ended = []
+            sb = relay(rb, {str(b.peer_id), str(c.peer_id)}, volunteer=False,
+                       on_detached=lambda: ended.append(list(sb.via)))
             await sb.start()
             called = []
 
@@ -138,5 +142,20 @@ def test_forwarded_streams_only_from_forwarders_we_attached_to():
                 pass
             writer.close()
             assert called == []
+
+            sc = relay(RoutedP2P(c, NS, lambda peer: None), {str(b.peer_id)}, volunteer=False)  # NOT_FORWARDING
+            await sc.start()
+            sb.keep_attached([str(c.peer_id)], want=1)
+            assert sb.via == [str(c.peer_id)]             # listed while it is being tried
+            await until(lambda: ended)
+            assert ended == [[]] and sb.via == []          # called once the refused attachment left `via`
+            sc.volunteer = True
+            sb._retry_at.clear()
+            sb.keep_attached([str(c.peer_id)], want=1)
+            await until(lambda: str(b.peer_id) in sc.attached_peers)
+            await sc.stop()                                # the forwarder goes away: the attachment is lost
+            await until(lambda: len(ended) == 2)
+            assert ended[1] == [] and sb.via == []
             await sb.stop()
     arun(main())
+

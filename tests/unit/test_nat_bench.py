@@ -50,3 +50,33 @@ def test_markdown_has_a_line_per_row_and_per_relay_trial():
     assert md[3] == "| holepunch | - | - | - | - | no direct connection |"
     assert "| defaults | 3.2 | reset after 130000 bytes | go-libp2p default relay |" in md
     assert any("cut after 120 s" in line for line in md)
+
+
+def test_the_relays_own_count_of_a_circuit_is_read_off_its_log():
+    line = '{"level":"debug","logger":"relay","msg":"relayed %d bytes from %s to %s"}'
+    lines = [line % (131072, "NA", "NB"), line % (1406, "NB", "NA"), "not json: relayed 9 bytes from NA to NB",
+             line % (4096, "NA", "NB")]
+    assert nb.relayed_bytes(lines, "NA", "NB") == 131072       # the largest, in the asked direction only
+    assert nb.relayed_bytes(lines, "NB", "NA") == 1406
+    assert nb.relayed_bytes(lines[:1], "NA", "XX") is None
+
+
+def test_a_circuit_address_is_encoded_as_p2pd_parses_it():
+    """hivemind's bundled multiaddr writes /p2p/<id> as a CID, which p2pd rejects; nat_worker writes the multihash."""
+    spec = importlib.util.spec_from_file_location("nat_worker", _path.with_name("nat_worker.py"))
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    from hivemind.p2p import PeerID
+    pid = "12D3KooWJ8rH55LcMTojULioFNh2gyRvYnZqnh1nKEBSp9Nf4xgb"
+    mh = PeerID.from_base58(pid).to_bytes()
+    tcp = bytes([0x04, 10, 77, 0, 1, 0x06, 0x0F, 0xA1])             # /ip4/10.77.0.1/tcp/4001
+    got = worker.GoMaddr(f"/ip4/10.77.0.1/tcp/4001/p2p/{pid}/p2p-circuit").to_bytes()
+    assert got == tcp + b"\xa5\x03" + bytes([len(mh)]) + mh + b"\xa2\x02"   # 421 = p2p, 290 = p2p-circuit
+    assert worker.GoMaddr("/ip4/10.77.0.1/tcp/4001").to_bytes() == tcp
+
+
+def test_a_transfer_that_went_through_is_not_read_at_another_circuits_count():
+    through = {"bytes_received": 1000, "push": {"written": 1000, "error": ""}, "relay_counted": 1406}
+    cut = {"bytes_received": 98304, "push": {"written": 491520, "error": "reset"}, "relay_counted": 131072}
+    assert nb.answered_at(through) == 1000 and nb.answered_at(cut) == 131072
+    assert nb.answered_at({**cut, "relay_counted": None}) == 98304

@@ -281,13 +281,27 @@ class NatLab:
         sh(*ipt, "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT")
         sh(*ipt, "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
            "-j", "ACCEPT")
-        port = self.forward_ports.get(host)
-        if port is not None:
-            for proto in ("tcp", "udp"):
-                sh(*ipt, "-t", "nat", "-A", "PREROUTING", "-i", "wan0", "-p", proto, "--dport", str(port), "-j",
-                   "DNAT", "--to-destination", f"{host_ip}:{port}")
-                sh(*ipt, "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-p", proto, "-d", host_ip, "--dport",
-                   str(port), "-m", "conntrack", "--ctstate", "DNAT", "-j", "ACCEPT")
+        if host in self.forward_ports:
+            self._forward_rules(host, "-A")
+
+    def _forward_rules(self, host: str, op: str) -> None:
+        """Add (`-A`) or delete (`-D`) the port forward of `host`'s router: DNAT of its WAN port to the host, and
+        the FORWARD rule that lets those new connections in."""
+        k, port, host_ip = self.homes.index(host), self.forward_ports[host], self.ip(host)
+        ipt = ["ip", "netns", "exec", self.ns(f"r{k}"), "iptables"]
+        for proto in ("tcp", "udp"):
+            sh(*ipt, "-t", "nat", op, "PREROUTING", "-i", "wan0", "-p", proto, "--dport", str(port), "-j",
+               "DNAT", "--to-destination", f"{host_ip}:{port}")
+            sh(*ipt, op, "FORWARD", "-i", "wan0", "-o", "lan0", "-p", proto, "-d", host_ip, "--dport",
+               str(port), "-m", "conntrack", "--ctstate", "DNAT", "-j", "ACCEPT")
+
+    def unforward(self, host: str) -> None:
+        """Stop forwarding `host`'s port (a router reset, a user who closed it): new connections from outside are
+        refused from now on; connections already open stay up (ESTABLISHED), as on a real router."""
+        if host not in self.forward_ports:
+            raise NetlabError(f"{host}: no port is forwarded to it (forward_ports: {self.forward_ports})")
+        self._forward_rules(host, "-D")
+        del self.forward_ports[host]
 
     def _namespaces(self) -> list[str]:
         return [self.hub, *(self.ns(h) for h in self.public + self.homes),

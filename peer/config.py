@@ -49,6 +49,10 @@ class NetworkConfig(_Section):
         "without a port forward): DHT in client mode, auto-relay on, attach to forwarders, call rather than be "
         "called; public: others dial us (docs/nat.md)")
     probe_timeout_s: float = Field(5.0, gt=0, description="reachability auto: how long to wait for the probers")
+    reprobe_every_s: float = Field(600.0, ge=0, description="reachability auto: probe again this often while "
+                                   "running, and at once when our dialable addresses change; a flipped verdict "
+                                   "attaches to or detaches from forwarders (the DHT mode stays until a restart); "
+                                   "0: only the probe at start (docs/nat.md)")
     forwarding: bool = Field(True, description="when public: forward streams between peers behind NAT that "
                              "attach to us (costs twice the forwarded bytes of our link; counted in metrics)")
     forward_max_circuits: int = Field(16, ge=1, description="streams we forward at once (an exchange uses one "

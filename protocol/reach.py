@@ -71,6 +71,34 @@ def probed_reachability(have_addrs: bool, asked: int, answers: Sequence[bool]) -
     return not verdict, f"probe({sum(answers)}/{len(answers)} dialled back)"
 
 
+def reprobe_due(now: float, probed_at: float, every_s: float, addrs: Sequence[tuple[str, int]],
+                probed_addrs: Sequence[tuple[str, int]]) -> str | None:
+    """Why a running peer should probe its reachability again now, or None. `every_s` 0: never (only the probe at
+    start). Otherwise at once when the addresses we would ask probers to dial (announced, else what libp2p reports,
+    as at start) differ from those of the last probe - a new network, a new port mapping - and every `every_s`
+    seconds anyway (a router can start or stop forwarding our port without any address of ours changing). Times on
+    one monotonic clock."""
+    if every_s <= 0:
+        return None
+    if sorted(addrs) != sorted(probed_addrs):
+        return "addresses changed"
+    if now - probed_at >= every_s:
+        return "period"
+    return None
+
+
+def reprobed_reachability(private: bool, have_addrs: bool, asked: int, answers: Sequence[bool]) -> tuple[bool, str]:
+    """(behind NAT?, how we know) after a probe on a running peer that believes `private` now. As at start
+    (probed_reachability), except that a probe that could not decide - no address to offer, nobody to ask, nobody
+    answered - keeps the current verdict: at start "public" is the safer guess for a peer nobody knows yet, but a
+    running peer's last real answer is a better guess than none, and a flip costs an attach or detach and a
+    re-announcement."""
+    now_private, source = probed_reachability(have_addrs, asked, answers)
+    if source.startswith("unprobed("):
+        return private, source
+    return now_private, source
+
+
 class RelayRequest(_Wire):
     """First frame on a stream to a peer's relay service.
 

@@ -63,10 +63,14 @@ def _reply(code: Code, message: str = "", reachable: tuple[bool, ...] = ()) -> R
 
 
 def probe_addrs(maddrs: list[str]) -> list[tuple[str, int]]:
-    """(ip, port) of our TCP multiaddrs that another host could dial: not loopback, unspecified or link-local."""
+    """(ip, port) of our TCP multiaddrs that another host could dial: not loopback, unspecified or link-local, and
+    not a relay circuit (`.../p2p/<relay>/p2p-circuit`: its ip and port are the relay's, which a prober reaches
+    whether or not it can reach us - a NATed peer holding a reservation would read itself reachable)."""
     out = []
     for m in maddrs:
         parts = m.split("/")
+        if "p2p-circuit" in parts:
+            continue
         if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and parts[4].isdigit():
             ip = ipaddress.ip_address(parts[2])
             if not (ip.is_loopback or ip.is_unspecified or ip.is_link_local) and (parts[2], int(parts[4])) not in out:
@@ -163,6 +167,7 @@ class RelayService:
         self.volunteer, self.max_circuits, self.max_attached = volunteer, max_circuits, max_attached
         self.circuit_timeout_s = circuit_timeout_s
         self.attached_peers: set[str] = set()        # as a forwarder: NATed peers attached to us
+        self._holds: dict[str, asyncio.Task] = {}    # ... and the handler task holding each one's stream
         self.attachments: dict[str, asyncio.Task] = {}   # as a NATed peer: forwarder -> the task holding it
         self.circuits = 0
         self.forwarded_bytes = 0
@@ -246,6 +251,7 @@ class RelayService:
         if caller not in self.attached_peers and len(self.attached_peers) >= self.max_attached:
             return await _send(writer, _reply(Code.FORWARD_FULL, f"{self.max_attached} peers attached already"))
         self.attached_peers.add(caller)
+        self._holds[caller] = asyncio.current_task()
         log.info("relay attached peer=%s attached=%d", caller, len(self.attached_peers))
         try:
             await _send(writer, _reply(Code.OK))
@@ -253,6 +259,8 @@ class RelayService:
                 pass
         finally:
             self.attached_peers.discard(caller)
+            if self._holds.get(caller) is asyncio.current_task():
+                del self._holds[caller]
             log.info("relay detached peer=%s attached=%d", caller, len(self.attached_peers))
 
     async def _forward(self, caller: str, req: RelayRequest, reader, writer) -> None:
@@ -284,7 +292,20 @@ class RelayService:
             if dst.can_write_eof():
                 dst.write_eof()
 
+    def drop_attached(self) -> None:
+        """We just learnt we are behind NAT: end the attachments others hold to us (their callers could no longer
+        dial us), so that they attach elsewhere. Their side sees the stream end (`attach ... lost`)."""
+        for task in list(self._holds.values()):
+            task.cancel()
+
     # ------------------------------------------------------------------ as a NATed peer
+    def detach_all(self) -> None:
+        """We just learnt we are reachable: close our attachments (each one's end calls on_detached)."""
+        for task in self.attachments.values():
+            task.cancel()
+        self.attachments.clear()
+        self._retry_at.clear()
+
     def keep_attached(self, candidates: list[str], want: int) -> None:
         """Attach to forwarders among `candidates` (live, direct, volunteering peers) until `want` are held."""
         now = asyncio.get_running_loop().time()

@@ -40,7 +40,7 @@ from gasloc.peer.swarm.swarmkey import load_swarm_key
 from gasloc.protocol.auth import SwarmKeyError
 from gasloc.protocol.buckets import HintBook, PeerHint, listing_interval_s, pick_hints
 from gasloc.protocol.messages import PROTOCOL_VERSION
-from gasloc.protocol.reach import probed_reachability, record_reach, route
+from gasloc.protocol.reach import probed_reachability, record_reach, reprobe_due, reprobed_reachability, route
 from gasloc.runtime.aio import LoopThread
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.safeproc import SafeDHT
@@ -54,6 +54,8 @@ LIST_PERIOD_S = 10.0  # the slow background refresh, one bucket (a search lists 
                       # at most announce_ttl_s / 3 apart, so that what we read is refreshed before it expires
 LEGACY_CHECK_S = 30.0  # how often the single key of the older layout is checked for peers of an older gasloc
 NOT_MEMBER_CACHE_S = 5.0  # a caller whose record we did not find is not looked up again for this long
+REPROBE_CHECK_S = 5.0  # how often a running peer with reachability auto looks at its dialable addresses (one
+                       # control call to its p2pd); at most this late it notices a change (network.reprobe_every_s)
 JOIN_RELIST_S = 0.5  # a joiner whose first listing was empty lists again at this pace (swarm.join_listing_wait_s)
 
 
@@ -105,6 +107,7 @@ class Network:
         self.relay: RelayService | None = None
         self.private, self.reach_source = False, "config"
         self.dht_client = False                    # our DHT node hosts no keys (behind NAT)
+        self._probed_at, self._probed_addrs = 0.0, []  # the last reachability probe: when (monotonic), what it asked
 
     def _identity_path(self) -> tuple[str, bool]:
         """The libp2p identity file and whether it is ours alone (made just now). Records are signed with this
@@ -234,6 +237,8 @@ class Network:
         self.absence = AbsenceWatch()
         self._tasks = [self.aio.submit(self._announcer()), self.aio.submit(self._lister()),
                        self.aio.submit(self._watch()), self.aio.submit(self._legacy_watch())]
+        if net.reachability == "auto" and net.reprobe_every_s > 0:
+            self._tasks.append(self.aio.submit(self._reprober()))
         log.info("membership level=%d buckets=%d estimate=%.0f in_sight=%d", self.membership.level,
                  1 << self.membership.level, self.membership.estimate.value, len(self.live))
 
@@ -244,18 +249,74 @@ class Network:
         `direct` (whatever their configuration: every gasloc peer of the run answers probes)."""
         net = self.cfg.network
         addrs = probe_addrs(list(net.announce_maddrs) or self.maddrs)
-        timeout = net.startup_timeout_s
         listing = BucketReader(self.dht, run_id=self.cfg.swarm.run_id,
                                request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3))
-        found = self.aio.run(listing.probe(), timeout + 1) or {}
-        direct = [p for p, r in found.items() if r.reach == "direct" and p != self.peer_id]
+        found = self.aio.run(listing.probe(), net.startup_timeout_s + 1) or {}
+        asked, answers = self.aio.run(self._ask_probers(replica, addrs, found), net.probe_timeout_s + 2)
+        self._probed_at, self._probed_addrs = time.monotonic(), addrs
+        return probed_reachability(bool(addrs), asked, answers)
+
+    async def _ask_probers(self, p2p, addrs: list[tuple[str, int]], records: dict[str, PeerRecord]
+                           ) -> tuple[int, list[bool]]:
+        """(probers asked, their answers): the same probe at start and while running."""
+        direct = [p for p, r in records.items() if r.reach == "direct" and p != self.peer_id]
         probers = list(dict.fromkeys([*self._bootstrap_ids(), *direct]))[:5]
-        answers = []
-        if addrs and probers:
-            answers = self.aio.run(probe(replica, relay_handler_name(self.cfg.swarm.run_id), probers, addrs,
-                                         net.probe_timeout_s),
-                                   net.probe_timeout_s + 2)
-        return probed_reachability(bool(addrs), len(probers), answers)
+        if not (addrs and probers):
+            return len(probers), []
+        net = self.cfg.network
+        return len(probers), await probe(p2p, relay_handler_name(self.cfg.swarm.run_id), probers, addrs,
+                                         net.probe_timeout_s)
+
+    async def _dialable_now(self) -> list[tuple[str, int]]:
+        """What the probe would ask probers to dial now: the announced addresses, else what libp2p reports."""
+        announced = list(self.cfg.network.announce_maddrs)
+        if announced:
+            return probe_addrs(announced)
+        return probe_addrs([str(m) for m in await self.p2p.get_visible_maddrs(latest=True)])
+
+    async def _reprober(self) -> None:
+        """Reachability auto, while running: probe again by protocol.reach.reprobe_due (every reprobe_every_s, and
+        at once when our addresses change), and switch when the verdict flips (`_switch_reach`)."""
+        every = self.cfg.network.reprobe_every_s
+        while True:
+            await asyncio.sleep(min(REPROBE_CHECK_S, every))
+            try:
+                addrs = await self._dialable_now()
+                why = reprobe_due(time.monotonic(), self._probed_at, every, addrs, self._probed_addrs)
+                if why is None:
+                    continue
+                self._probed_at, self._probed_addrs = time.monotonic(), addrs
+                # the wrapped P2P: a probe is no exchange, so RoutedP2P's `path` of the prober stays as it was
+                asked, answers = await self._ask_probers(self.p2p._p2p, addrs, self.live)
+                private, source = reprobed_reachability(self.private, bool(addrs), asked, answers)
+                log.info("reprobe reason=%s source=%s reachability=%s", why, source,
+                         "private" if private else "public")
+                if private != self.private:
+                    self._switch_reach(private, source, why)
+            except Exception as e:  # noqa: BLE001 - a daemon hiccup must not end re-probing for the peer's life
+                log.warning("reprobe failed (%s: %s); next try in %.0f s", type(e).__name__, e,
+                            min(REPROBE_CHECK_S, every))
+
+    def _switch_reach(self, private: bool, source: str, why: str) -> None:
+        """On the loop: the probe's verdict flipped. Behind NAT now: stop forwarding for others (their callers
+        could not reach us) and attach to forwarders, as at start; reachable again: detach and forward. Either way
+        announce at once. The DHT node keeps its mode: hivemind cannot switch a running node (a restart would
+        drop our connections, attachments and a running exchange), so a peer that moved behind NAT stays a DHT
+        server until it restarts - the log line says so."""
+        was = "private" if self.private else "public"
+        self.private, self.reach_source = private, source
+        self.relay.volunteer = self.cfg.network.forwarding and not private
+        if private:
+            self.relay.drop_attached()
+            self._keep_attached()
+        else:
+            self.relay.detach_all()
+        self._announce_wanted.set()
+        now, dht = "private" if private else "public", "client" if self.dht_client else "server"
+        log.info("reachability_changed from=%s to=%s source=%s reason=%s dht=%s (kept until restart)", was, now,
+                 source, why, dht)
+        self.emit("reachability", reachability=now, previous=was, reachability_source=source, reason=why,
+                  dht_mode=dht)
 
     @property
     def reach(self) -> str:

@@ -4,8 +4,9 @@
 What must hold: each NATed peer learns it is behind NAT (one by the dial-back probe, one from the config), joins by
 downloading the state, pairs >= 3 times, at least once with the other NATed peer (through a forwarder: the metrics
 name it) and once with a public peer, and completes >= 90% of the public peers' rounds in the same time; the public
-peers never dial a NATed one directly (only through a forwarder); gasloc doctor says which host is behind NAT. Needs
-root, `ip netns` and iptables."""
+peers never dial a NATed one directly (only through a forwarder); gasloc doctor says which host is behind NAT. A peer
+whose port forward goes away while it runs learns it by probing again, and attaches to the bootstrap. Needs root,
+`ip netns` and iptables."""
 from __future__ import annotations
 
 import importlib.util
@@ -218,3 +219,55 @@ def test_a_swarm_of_nated_peers_only_pairs_through_the_bootstrap(nat_only_lab, h
         assert all(r["path"] == f"forwarded:{ready['peer_id']}" for r in oks), [r["path"] for r in oks]
     names[ready["peer_id"]] = "boot"
     print("nat-summary", summary(h, homes, names, 0.0, time.time()), "joined", joined.group(0))
+
+
+@pytest.fixture
+def forward_lab():
+    lab = netlab.NatLab(netlab.run_prefix("gnx"), public=["boot"], homes=["na"], forward_ports={"na": 4100})
+    lab.up()
+    try:
+        yield lab
+    finally:
+        lab.down()
+
+
+@pytest.mark.timeout(180)   # ~30 s on an idle machine
+def test_a_peer_whose_port_forward_goes_away_reprobes_and_attaches_to_the_bootstrap(forward_lab, harness):
+    """na's router forwards its port and na announces it: the start probe says public. The test removes the
+    forward while na trains alone; within a few re-probe periods (2 s here) na says it is behind NAT, keeps its DHT
+    server (hivemind cannot switch a running node), attaches to the bootstrap and its rounds say `relayed`."""
+    h, lab = harness, forward_lab
+    config = write_config(h)
+    config.write_text(config.read_text() + "[network]\nreprobe_every_s = 2.0\n")
+    boot = spawn_in(h, lab, "boot", "bootstrap", "bootstrap", "--host-maddrs", ANY, "--run-id", "e2e")
+    boot_addr = lab_maddr(h.wait_ready(boot, 90)["maddrs"], lab.ip("boot"))
+    port = lab.forward_ports["na"]
+    na = spawn_in(h, lab, "na", "na", "peer", "--config", config, "--initial-peers", boot_addr,
+                  "--host-maddrs", f"/ip4/0.0.0.0/tcp/{port}", "--announce-maddrs", f"/ip4/{lab.wan_ip('na')}/tcp/{port}",
+                  "--run-dir", h.dir("na"))
+    na_id = h.wait_ready(na, 150)["peer_id"]
+    st = start_event(h, "na")
+    assert (st["reachability"], st["reachability_source"], st["dht_mode"]) == \
+        ("public", "probe(1/1 dialled back)", "server"), st
+    # a round, and a re-probe while the forward stands (period 2 s): still public, no change
+    h.wait_until(lambda: any(r["reach"] == "direct" for r in rounds(h, "na"))
+                 and "reprobe reason=period source=probe(1/1 dialled back) reachability=public" in h.log("na"),
+                 60, "na: a round as direct and a re-probe that kept it public", alive=("na",))
+
+    def changes() -> list[dict]:
+        return [e for e in h.metrics("na") if e.get("event") == "reachability"]
+    assert changes() == []
+
+    lab.unforward("na")
+    ev = h.wait_until(lambda: changes(), 30, "na: a reachability event after the forward went away",
+                      alive=("na",))[0]
+    assert (ev["previous"], ev["reachability"], ev["reachability_source"], ev["reason"], ev["dht_mode"]) == \
+        ("public", "private", "probe(0/1 dialled back)", "period", "server"), ev
+    assert ("reachability_changed from=public to=private source=probe(0/1 dialled back) reason=period dht=server "
+            "(kept until restart)") in h.log("na")
+    # attached to the bootstrap (its forwarder), and the rounds after the change say so
+    last = h.wait_until(lambda: [r for r in rounds(h, "na") if r["time"] > ev["time"] and r["reach"] == "relayed"],
+                        30, "na: a round as relayed after the change", alive=("na",))[-1]
+    assert last["via"] == 1, last
+    assert f"relay attached peer={na_id}" in h.log("bootstrap")
+    assert len(changes()) == 1   # the re-probes after the change kept it private

@@ -102,6 +102,11 @@ def test_nat_lab_routers_masquerade_block_inbound_and_forward_ports_on_request()
         # the control: h2's router forwards port 4002, so the internet (and the other home) reaches h2
         assert netlab.can_connect(lab, "pub", "h2", lab.wan_ip("h2"), 4002)
         assert netlab.can_connect(lab, "h1", "h2", lab.wan_ip("h2"), 4002)
+        # ... until the forward is removed (what the re-probe test does to a running peer)
+        lab.unforward("h2")
+        assert not netlab.can_connect(lab, "pub", "h2", lab.wan_ip("h2"), 4002)
+        with pytest.raises(netlab.NetlabError, match="no port is forwarded"):
+            lab.unforward("h2")
         hosts = open(f"/etc/netns/{lab.ns('h1')}/hosts").read()
         assert f"{pub} pub.lab" in hosts
         seen = subprocess.run(lab.exec_argv("h1", ["getent", "hosts", "pub.lab"]), capture_output=True, text=True)

@@ -159,3 +159,33 @@ def test_forwarded_streams_only_from_forwarders_we_attached_to():
             await sb.stop()
     arun(main())
 
+
+
+@pytest.mark.timeout(60)
+def test_a_reachability_flip_ends_attachments_on_both_sides():
+    """What a re-probe that flips the verdict does to attachments (peer/swarm/network.py `_switch_reach`): a
+    forwarder that learns it is behind NAT ends the attachments others hold to it (drop_attached), a NATed peer
+    that learns it is reachable closes its own (detach_all); each end is reported (on_detached)."""
+    async def main():
+        async with p2p_nodes(2) as (b, r):
+            ids = {str(b.peer_id), str(r.peer_id)}
+            ended = []
+            sb = relay(RoutedP2P(b, NS, lambda peer: None), ids, volunteer=False,
+                       on_detached=lambda: ended.append(list(sb.via)))
+            sr = relay(RoutedP2P(r, NS, lambda peer: None), ids)
+            for s in (sb, sr):
+                await s.start()
+            sb.keep_attached([str(r.peer_id)], want=1)
+            await until(lambda: str(b.peer_id) in sr.attached_peers)
+            sr.drop_attached()                    # r: "I am behind NAT now"
+            await until(lambda: ended and not sr.attached_peers)
+            assert ended == [[]] and sb.via == []
+            sb.keep_attached([str(r.peer_id)], want=1)
+            await until(lambda: str(b.peer_id) in sr.attached_peers)
+            sb.detach_all()                       # b: "I am reachable now"
+            assert sb.via == [] and sb.attachments == {}
+            await until(lambda: len(ended) == 2 and not sr.attached_peers)
+            assert sr._holds == {}
+            for s in (sb, sr):
+                await s.stop()
+    arun(main())

@@ -9,7 +9,15 @@ import pytest
 from gasloc.peer.swarm.forward import probe_addrs
 from gasloc.peer.swarm.membership import PeerRecord
 from gasloc.protocol.codes import Code
-from gasloc.protocol.reach import RelayRequest, probe_verdict, probed_reachability, record_reach, route
+from gasloc.protocol.reach import (
+    RelayRequest,
+    probe_verdict,
+    probed_reachability,
+    record_reach,
+    reprobe_due,
+    reprobed_reachability,
+    route,
+)
 from gasloc.protocol.wire import WireError, decode_header, encode_header
 
 
@@ -50,8 +58,37 @@ def test_relay_request_caps_and_kinds():
 
 def test_probe_addrs_skip_loopback_unspecified_and_non_tcp():
     got = probe_addrs(["/ip4/127.0.0.1/tcp/5/p2p/x", "/ip4/0.0.0.0/tcp/6", "/ip4/10.77.1.2/tcp/7/p2p/x",
-                       "/ip4/10.77.1.2/udp/7/quic-v1", "/ip6/::1/tcp/8", "/ip4/10.77.1.2/tcp/7"])
+                       "/ip4/10.77.1.2/udp/7/quic-v1", "/ip6/::1/tcp/8", "/ip4/10.77.1.2/tcp/7",
+                       "/ip4/10.77.0.1/tcp/4001/p2p/relay/p2p-circuit/p2p/x"])   # the relay's address, not ours
     assert got == [("10.77.1.2", 7)]
+
+
+def test_when_a_running_peer_probes_again_on_a_virtual_clock():
+    a, b = [("10.77.0.101", 4100)], [("10.77.0.101", 4100), ("10.9.0.2", 4100)]
+    # checked every 5 s, reprobe_every_s 600: due at the first check at or past 600 s after the last probe
+    probed_at, probes = 0.0, []
+    for t in range(5, 1900, 5):
+        if reprobe_due(float(t), probed_at, 600.0, a, a):
+            probes.append(t)
+            probed_at = float(t)
+    assert probes == [600, 1200, 1800]
+    # an address of ours changed (new network, new mapping): at once, whatever the period; same set in another
+    # order is no change
+    assert reprobe_due(1.0, 0.0, 600.0, b, a) == "addresses changed"
+    assert reprobe_due(1.0, 0.0, 600.0, list(reversed(b)), b) is None
+    assert reprobe_due(1.0, 0.0, 600.0, [], a) == "addresses changed"   # lost them all: the probe says unprobed
+    assert reprobe_due(600.0, 0.0, 600.0, a, a) == "period" and reprobe_due(599.9, 0.0, 600.0, a, a) is None
+    # 0: never again, not even when the addresses change
+    assert reprobe_due(1e6, 0.0, 0.0, b, a) is None
+
+
+def test_a_reprobe_that_cannot_decide_keeps_the_current_verdict():
+    for private in (True, False):
+        assert reprobed_reachability(private, True, 0, []) == (private, "unprobed(no peer to ask)")
+        assert reprobed_reachability(private, True, 2, []) == (private, "unprobed(no prober answered)")
+        assert reprobed_reachability(private, False, 2, []) == (private, "unprobed(loopback only)")
+        assert reprobed_reachability(private, True, 1, [False]) == (True, "probe(0/1 dialled back)")
+        assert reprobed_reachability(private, True, 2, [True, False]) == (False, "probe(1/2 dialled back)")
 
 
 def test_records_without_nat_fields_read_as_direct_and_malformed_claims_as_unreachable():

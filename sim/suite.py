@@ -441,7 +441,7 @@ SUITES: dict[str, Suite] = {
     "tune-h20": h20_tuning_suite(
         "tune-h20", workers=8, base=PAPER_BASE, b={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3,
                                                    "inner.lr": 2e-3},
-        settings=[(0.7, 0.7), (0.7, 0.5), (0.5, 0.5), (0.8, 0.5), (0.6, 0.9)],
+        settings=[(0.7, 0.7), (0.7, 0.5), (0.5, 0.5)],
         notes=["claim (b)'s setup (8 workers, tiny preset, H = 20, inner lr 2e-3, 30 rounds, random, uniform links, "
                "schedule live): GASLoC's (gamma, eta) against DiLoCo; default-noguard: the default row, guard off"]),
     "tune-h20-smoke": h20_tuning_suite(

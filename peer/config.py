@@ -102,9 +102,11 @@ class SwarmConfig(_Section):
     min_backoff_s: float = Field(2.0, gt=0, description="first backoff from a partner whose exchange failed")
     max_backoff_s: float = Field(60.0, gt=0, description="longest backoff from a repeatedly failing partner")
     busy_cooldown_s: float = Field(0.5, ge=0, description="skip a partner that answered busy for this long")
-    avoid_recent_partners: int = Field(1, ge=0, description="pass over this many most recent partners during "
-                                       "the first half of the partner search (peers that just exchanged become "
-                                       "ready together and would otherwise pair again and again)")
+    avoid_recent_partners: int = Field(3, ge=0, description="pass over this many most recent partners during "
+                                       "the first half of the partner search, while someone else is due in it "
+                                       "(peers that just exchanged become ready together and would otherwise "
+                                       "pair again and again; 1 split equal-speed swarms into groups: "
+                                       "docs/sim-results.md)")
     bandwidth_weighting: bool = Field(False, description="choose partners with probability proportional to "
                                       "their measured bandwidth instead of uniformly")
     slower_link_ratio: float = Field(0.0, ge=0, description="for the first half of a partner search, pass over "

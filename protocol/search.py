@@ -27,8 +27,9 @@ Rules (their reasons are in protocol/partners.py):
   compared - peers' round counts drift apart and say nothing about when they are ready);
 - never call a peer in `uncallable` (behind NAT and attached to no forwarder: it calls; protocol/reach.py), but
   keep waiting for its call;
-- pick among ready peers not in backoff, passing over our recent partners, and (with slower_link_ratio, in a
-  "picky" search) peers on much slower links, for the first half of the window;
+- pick among ready peers not in backoff, passing over our recent partners (while someone else is due within the
+  first half of the window), and (with slower_link_ratio, in a "picky" search) peers on much slower links, for the
+  first half of the window;
 - BUSY from the partner: a short cooldown for it and a random pause for us (two peers that called each other at
   once both got BUSY); BUSY from our own side (our offer was taken meanwhile) costs the partner nothing;
   a timeout, failure or rejection: exponential backoff for that partner;
@@ -217,8 +218,12 @@ class Search:
         explore = (peers_to_explore(sight.own_link, rates, now - self.start, self.window_s,
                                     ratio=r.slower_link_ratio) if self.picky else set())
         self.passed |= slower & sight.ready.keys()
-        # a recent partner is passed over only while someone else we would take may become ready
-        avoid = peers_to_avoid(p.recent, set(others) - slower, now - self.start, self.window_s) | slower | self.gone
+        # a recent partner is passed over only while someone else we would take is due in the first half (a live
+        # peer in neither state, e.g. joining, has no estimate: it may be, as Sight.training's unknowns)
+        half = self.start + self.window_s / 2
+        soon = {q for q in sight.live if q not in sight.training or sight.training[q] <= half}
+        avoid = peers_to_avoid(p.recent, set(others) - slower, now - self.start, self.window_s, soon=soon)
+        avoid |= slower | self.gone
         if explore:  # only unmeasured peers until one of them is ready or the first half is over
             avoid |= set(others) - explore
         trust = None

@@ -161,12 +161,14 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
 
 @sim.command()
 @click.option("--suite", type=click.Choice(("paper", "smoke", "overlap", "overlap-smoke", "hetero", "hetero-smoke",
-                                            "scale", "scale-smoke", "tune-h1", "tune-h1-smoke")),
+                                            "scale", "scale-smoke", "tune-h1", "tune-h1-smoke", "tune-h20",
+                                            "tune-h20-smoke")),
               default="paper", show_default=True, help="paper: the paper's claims at 8 workers (~10 min on 2 "
               "cores); overlap: delayed mixing against plain mixing (~5 min); hetero: bench/hetero.py's setup, the "
               "simulator's time ratios beside the bench's (~5 min); scale: GASLoC against DiLoCo at 8-1,000 "
               "workers of the micro preset, uniform and log-uniform 3-300 Mbit links; tune-h1: the H = 1 sweep "
-              "behind GASLoC's H-aware outer defaults (~5 min); *-smoke: a seconds-long "
+              "behind GASLoC's H-aware outer defaults (~5 min); tune-h20: the H = 20 sweep against DiLoCo (~8 min); "
+              "*-smoke: a seconds-long "
               "check of the same.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every run here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,

@@ -52,8 +52,8 @@ class SearchConfig(BaseModel):
     min_backoff_s: float = Field(2.0, gt=0, description="first backoff from a partner whose exchange failed")
     max_backoff_s: float = Field(60.0, gt=0, description="longest backoff from a repeatedly failing partner")
     busy_cooldown_s: float = Field(0.5, ge=0, description="skip a partner that answered busy for this long")
-    avoid_recent_partners: int = Field(1, ge=0, description="pass over this many most recent partners during the "
-                                       "first half of a search")
+    avoid_recent_partners: int = Field(3, ge=0, description="pass over this many most recent partners during the "
+                                       "first half of a search, while someone else is due in it")
     slower_link_ratio: float = Field(0.0, ge=0, description="for the first half of a search, pass over (and answer "
                                      "busy to) peers whose last exchange with us ran this many times slower than "
                                      "our best; 0 = off (must be above 1 when set)")

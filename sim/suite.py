@@ -259,6 +259,20 @@ def h1_tuning_suite(name: str, *, workers: int, base: dict, a: dict, settings: l
     return Suite(name, base, runs, [], notes)
 
 
+def h20_tuning_suite(name: str, *, workers: int, base: dict, b: dict, settings: list[tuple[float, float]],
+                     notes: list[str]) -> Suite:
+    """The check of outer.H_DEFAULTS' H >= 5 row on the live schedule: GASLoC's (gamma, eta) at H = 20 against
+    DiLoCo, each run as the paper suite's claim (b) runs it, plus the default row without the guard (how much of
+    the gap is the guard's clipping of honest partners). No claims: the table is the result."""
+    b = {"workers": workers, **b}
+    runs = [RunSpec("diloco", {**b, "outer.algorithm": "diloco"})]
+    runs += [RunSpec(f"g{g:g}-e{e:g}", {**b, "topology": "random", "outer.algorithm": "gasloc",
+                                        "outer.momentum": g, "outer.outer_lr": e}) for g, e in settings]
+    runs.append(RunSpec("default-noguard", {**b, "topology": "random", "outer.algorithm": "gasloc",
+                                            "guard.enabled": False}))
+    return Suite(name, base, runs, [], notes)
+
+
 # ---- running --------------------------------------------------------------------------------------------------
 
 def _config(suite: Suite, spec: RunSpec, extra: dict | None = None):
@@ -422,6 +436,18 @@ SUITES: dict[str, Suite] = {
         "tune-h1-smoke", workers=4, base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2,
                                           "data.val_batches": 1, "inner.warmup_steps": 2},
         a={"rounds": 3, "eval_every": 1}, settings=[(0.1, 0.9)],
+        notes=["a plumbing check at toy size; its numbers say nothing"]),
+    # the H = 20 sweep on the live schedule (docs/sim-results.md "H = 20 on the live schedule"): claim (b)'s runs
+    "tune-h20": h20_tuning_suite(
+        "tune-h20", workers=8, base=PAPER_BASE, b={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3,
+                                                   "inner.lr": 2e-3},
+        settings=[(0.7, 0.7), (0.7, 0.5), (0.5, 0.5)],
+        notes=["claim (b)'s setup (8 workers, tiny preset, H = 20, inner lr 2e-3, 30 rounds, random, uniform links, "
+               "schedule live): GASLoC's (gamma, eta) against DiLoCo; default-noguard: the default row, guard off"]),
+    "tune-h20-smoke": h20_tuning_suite(
+        "tune-h20-smoke", workers=4, base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2,
+                                           "data.val_batches": 1, "inner.warmup_steps": 2},
+        b={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, settings=[(0.7, 0.5)],
         notes=["a plumbing check at toy size; its numbers say nothing"]),
     "hetero": hetero_suite(
         "hetero", base=HETERO_BASE, seeds=[0, 1, 2],

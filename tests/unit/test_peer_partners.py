@@ -69,13 +69,19 @@ def test_unmeasured_bandwidth_gets_the_median_of_the_known_ones():
     assert candidate_weights({"a": 10.0, "new": 0.0}, weighted=False) == {"a": 1.0, "new": 1.0}
 
 
-def test_recent_partners_are_passed_over_only_early_and_only_when_someone_else_exists():
+def test_recent_partners_are_passed_over_only_early_and_only_when_someone_else_is_due():
     from gasloc.protocol.partners import peers_to_avoid
     live = {"a", "b", "c"}
     assert peers_to_avoid(["a"], live, elapsed_s=0.1, deadline_s=2.0) == {"a"}
     assert peers_to_avoid(["a"], live, elapsed_s=1.0, deadline_s=2.0) == set()   # second half: anyone
     assert peers_to_avoid(["a"], {"a"}, elapsed_s=0.1, deadline_s=2.0) == set()   # a 2-peer swarm
     assert peers_to_avoid(["gone"], live, elapsed_s=0.1, deadline_s=2.0) == set()
+    # only while someone else is due in the first half: c computes past it, so waiting for it only costs time
+    assert peers_to_avoid(["a"], live, elapsed_s=0.1, deadline_s=2.0, soon={"a"}) == set()
+    assert peers_to_avoid(["a"], live, elapsed_s=0.1, deadline_s=2.0, soon={"a", "c"}) == {"a"}
+    # a longer memory never covers everyone we could ask: the oldest of them is fair game again
+    assert peers_to_avoid(["c", "b", "a"], live, elapsed_s=0.1, deadline_s=2.0) == {"a", "b"}
+    assert peers_to_avoid(["c", "b", "a"], live, elapsed_s=0.1, deadline_s=2.0, soon={"a", "b"}) == set()
     b = Backoff(min_backoff_s=1.0, max_backoff_s=5.0, busy_cooldown_s=0.5)
     rng = random.Random(0)
     picks = {pick_partner({"a": 1.0, "b": 1.0}, b, 0.0, rng, weighted=False, avoid={"a"}) for _ in range(50)}

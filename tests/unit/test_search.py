@@ -114,6 +114,9 @@ def test_a_recent_partner_is_passed_over_in_the_first_half_unless_it_is_the_only
     assert s.next(sight({"b", "c"}, {"b"}), 1.0) == Wait(0.25)   # c may still become ready
     assert s.next(sight({"b", "c"}, {"b"}), 5.0) == Call("b")    # second half: anyone
     assert p.begin(0.0).next(sight({"b"}, {"b"}), 1.0) == Call("b")  # b is all there is
+    # c is training and due only after the first half (5 s): not worth the wait
+    assert p.begin(0.0).next(sight({"b", "c"}, {"b"}, training={"c": 6.0}), 1.0) == Call("b")
+    assert p.begin(0.0).next(sight({"b", "c"}, {"b"}, training={"c": 4.0}), 1.0) == Wait(0.25)
 
 
 def test_overlap_searches_past_the_deadline_until_the_cut():

@@ -165,3 +165,16 @@ def test_batched_flag_reaches_the_config():
     res = CliRunner().invoke(cli, ["sim", "--batched", "--print-config"])
     assert res.exit_code == 0, res.output
     assert "batched = true" in res.output
+
+
+def test_tune_h20_suite_sweeps_gasloc_against_diloco_on_claim_bs_setup():
+    # the suite's plumbing is tune-h1-smoke's (run above); here its runs resolve to what docs/sim-results.md says
+    from gasloc.sim.suite import SUITES, _config
+    suite = SUITES["tune-h20"]
+    cfgs = {s.name: _config(suite, s) for s in suite.runs}
+    assert cfgs["diloco"].barrier and cfgs["diloco"].outer.algorithm == "diloco"
+    for name, c in cfgs.items():
+        assert (c.inner.inner_steps, c.rounds, c.inner.lr, c.schedule) == (20, 30, 2e-3, "live"), name
+    assert (cfgs["g0.7-e0.5"].outer.momentum, cfgs["g0.7-e0.5"].outer.outer_lr) == (0.7, 0.5)
+    assert cfgs["g0.7-e0.5"].guard.enabled and not cfgs["default-noguard"].guard.enabled
+    assert cfgs["default-noguard"].topology == "random"

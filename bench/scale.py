@@ -149,6 +149,7 @@ class Bench:
         from hivemind.utils.crypto import RSAPrivateKey
 
         from gasloc.peer.swarm.membership import (
+            DHT_CACHE_NEAREST,
             BucketSchemaValidator,
             CachedSignatureValidator,
             load_identity,
@@ -176,7 +177,7 @@ class Bench:
         # exactly what a peer gives its DHT (make_validators), plus the other sizes' run ids
         self.searcher_signer, validators = make_validators(run_ids[0], load_identity(ident))
         self.searcher = SafeDHT(initial_peers=first, start=True, host_maddrs=local, client_mode=True,
-                                identity_path=str(ident),
+                                identity_path=str(ident), cache_nearest=DHT_CACHE_NEAREST,
                                 record_validators=[*validators, *(BucketSchemaValidator(r) for r in run_ids[1:])])
 
     def stop(self) -> None:

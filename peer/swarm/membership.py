@@ -259,6 +259,15 @@ def make_validators(run_id: str, identity: RSAPrivateKey | None = None) -> tuple
     return signer, [signer, BucketSchemaValidator(run_id)]
 
 
+# A get of a bucket asks the nearest GET_BEAM nodes, not hivemind's default beam of 20: a store writes to the 5
+# nearest (hivemind's num_replicas), so those hold every copy, and each further node is one more RPC, parsed and
+# checked in our DHT process and carried by our p2pd (bench/scale.py measures what a listing costs)
+GET_BEAM = 5
+# Our DHT node pushes no result of a get to the nearest node that lacked it (hivemind's cache_nearest=1): that is
+# Kademlia's remedy for hot keys, and bucket keys are not hot; it cost one more store RPC per get, and a holder
+# answers from such a cached snapshot in place of its own storage when the snapshot's expiration is later
+DHT_CACHE_NEAREST = 0
+
 SIGNATURE_BYTES = 357  # b"[signature:<344 base64 chars>]" of an RSA-2048 signature, stripped before we see a value
 
 
@@ -292,7 +301,7 @@ class BucketReader:
         """A DHT get of one key; None when it did not answer in time (which says nothing about who is alive)."""
         self.gets += 1
         try:
-            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True),
+            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True, beam_size=GET_BEAM),
                                            self.request_timeout_s)
         except TimeoutError:
             log.warning("dht_get_timeout key=%s timeout_s=%.1f", key, self.request_timeout_s)

@@ -27,6 +27,7 @@ from gasloc.peer.swarm.absence import AbsenceWatch
 from gasloc.peer.swarm.admission import Admission
 from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe, probe_addrs
 from gasloc.peer.swarm.membership import (
+    DHT_CACHE_NEAREST,
     BucketReader,
     IdentityError,
     Membership,
@@ -178,7 +179,7 @@ class Network:
         m = self.cfg.metrics
         p2pd_flags = {"metricsAddr": f"{m.host}:{m.p2pd_port}"} if m.p2pd_port else None
         dht = SafeDHT(p2pd_flags=p2pd_flags, initial_peers=net.initial_peers or None, start=False,
-                      record_validators=validators,
+                      record_validators=validators, cache_nearest=DHT_CACHE_NEAREST,
                       host_maddrs=net.listen_maddrs, announce_maddrs=net.announce_maddrs or None,
                       identity_path=identity_path, startup_timeout=net.startup_timeout_s, **extra)
         self.dht = dht

@@ -43,7 +43,7 @@ class FakeDHT:
         self.data.setdefault(key, {})[subkey] = (value, expiration)
         return True
 
-    async def get(self, key, latest=True, return_future=True):
+    async def get(self, key, latest=True, return_future=True, **kwargs):
         self.gets.append(key)
         entries = {k: ValueWithExpiration(v, e) for k, (v, e) in self.data.get(key, {}).items() if e > time.time()}
         return ValueWithExpiration(entries, time.time() + 60) if entries else None

@@ -222,7 +222,31 @@ class Bench:
             failed += sum(not ok for ok in oks)
         if failed:
             print(f"N={n}: {failed} stores not accepted", file=sys.stderr)
+        self.visible = await self._visible_share(run_id, truth, level)
         return truth
+
+    async def _visible_share(self, run_id: str, truth: dict[str, str], level: int, sample: int = 16) -> float:
+        """Share of the records of `sample` buckets that a get returns: a store that
+        reached no server (all timed out) says ok from a client's own storage, and a row over fewer records than
+        N is not a row of N (the first 5,000-member run read buckets holding a quarter of their records)."""
+        from hivemind.utils.timed_storage import get_dht_time
+
+        from gasloc.peer.swarm.membership import bucket_key, parse_listing
+        from gasloc.protocol.buckets import bucket_of
+
+        want: dict[int, set[str]] = {}
+        for p in truth:
+            want.setdefault(bucket_of(p, level), set()).add(p)
+        picks = self.rng.sample(sorted(want), min(sample, len(want)))
+        got = 0
+        for b in picks:
+            # through the writer (its own storage is empty: it stores on servers only), not the searcher, whose
+            # DHT would then hold these records' checks in its cache before the searches are measured
+            found = await self.writer.get(bucket_key(run_id, level, b), latest=True, return_future=True)
+            got += len(set(parse_listing(found, now=get_dht_time())) & want[b])
+        share = got / max(1, sum(len(want[b]) for b in picks))
+        print(f"N={len(truth)}: {share:.3f} of the sampled buckets' records visible", file=sys.stderr)
+        return share
 
     # ------------------------------------------------------------------ one search, bucketed
     def _callee_hints(self, truth: dict[str, str], by_bucket: dict[int, list[str]], level: int, callee: str):
@@ -394,6 +418,7 @@ class Bench:
                 "buckets": (1 << own.level) if design == "buckets" else 1,
                 "estimate": round(own.estimate.value) if design == "buckets" else None,
                 "ready_share": o["ready_share"], "populate_s": round(populate_s, 1),
+                "records_visible_share": round(self.visible, 3),
                 "error": (f"{errors[0]} (one response of ~{whole_mib:.1f} MiB; p2pd's message limit is 4 MiB)"
                           if errors and design == "single-key" else (errors[0] if errors else None)),
             })

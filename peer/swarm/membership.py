@@ -402,6 +402,10 @@ class Membership(BucketReader):
         self._failed_in_a_row = 0
         self._written: dict[str, float] = {}   # bucket key -> when we last stored there (monotonic)
         self.inline: WireMember | None = None  # our last announced record as signed for our bucket (admission.py)
+        # A DHT client (behind NAT, or a bench writer) answers nobody's gets, yet hivemind counts a copy in its own
+        # storage as one of the stored replicas: with every server store timing out (a loaded swarm blacklists
+        # them), a store "succeeded" that nobody else can read. So a client stores on servers only.
+        self._store_kwargs = {"exclude_self": True} if getattr(dht, "client_mode", False) is True else {}
 
     @property
     def key(self) -> str:
@@ -458,7 +462,7 @@ class Membership(BucketReader):
     async def _store(self, key: str, value, expiration: float) -> bool:
         try:
             return bool(await asyncio.wait_for(
-                self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True),
+                self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True, **self._store_kwargs),
                 self.request_timeout_s))
         except TimeoutError:
             log.warning("dht_store_timeout key=%s timeout_s=%.1f", key, self.request_timeout_s)

@@ -16,7 +16,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from gasloc.peer.config import PeerConfig
 from gasloc.peer.swarm.admission import Admission
-from gasloc.peer.swarm.membership import Membership, bucket_key, peer_id_of, signed_member
+from gasloc.peer.swarm.membership import Membership, bucket_key, make_validators, peer_id_of, signed_member
 from gasloc.peer.swarm.network import Network, PeerStatus
 from gasloc.protocol.buckets import bucket_of
 from gasloc.protocol.codes import Code
@@ -54,6 +54,12 @@ def signers():
     return [_signer() for _ in range(3)]
 
 
+def _admission(signers) -> Admission:
+    # the callee's validators with a key we already have (an Admission makes an RSA-2048 key otherwise: slow)
+    return Admission(RUN, fingerprint="f", protocol=PROTOCOL_VERSION,
+                     validators=make_validators(RUN, signers[2]._private_key)[1])
+
+
 def _announced(dht, signer, *, run=RUN, level=3, fingerprint="f", ttl_s=15.0) -> Membership:
     m = Membership(dht, signer, run_id=run, peer_id=peer_id_of(signer.local_public_key), fingerprint=fingerprint,
                    protocol=PROTOCOL_VERSION, ttl_s=ttl_s)
@@ -65,7 +71,7 @@ def _announced(dht, signer, *, run=RUN, level=3, fingerprint="f", ttl_s=15.0) ->
 
 def test_an_honest_record_admits_its_owner_and_is_verified_once(signers):
     m = _announced(FakeDHT(), signers[0])
-    adm = Admission(RUN, fingerprint="f", protocol=PROTOCOL_VERSION)
+    adm = _admission(signers)
     for _ in range(3):
         rec, why = adm.check(m.peer_id, m.inline, get_dht_time())
         assert why == "" and rec is not None and rec.peer_id == m.peer_id and rec.round == 4
@@ -78,7 +84,7 @@ def test_an_honest_record_admits_its_owner_and_is_verified_once(signers):
 
 def test_forged_foreign_expired_and_misplaced_records_are_refused(signers):
     honest, other = _announced(FakeDHT(), signers[0]), _announced(FakeDHT(), signers[1])
-    adm = Admission(RUN, fingerprint="f", protocol=PROTOCOL_VERSION)
+    adm = _admission(signers)
     now = get_dht_time()
     w = honest.inline
     value = base64.b64decode(w.value)
@@ -113,7 +119,7 @@ def test_a_signed_record_that_breaks_the_schema_or_names_another_peer_is_refused
     s = signers[0]
     pid = peer_id_of(s.local_public_key)
     key = bucket_key(RUN, 2, bucket_of(pid, 2))
-    adm = Admission(RUN, fingerprint="f", protocol=PROTOCOL_VERSION)
+    adm = _admission(signers)
     good = _announced(FakeDHT(), s, level=2).record(state="training", round=1, throughput_tps=1.0,
                                                     bandwidth_bps=0.0).dict()
     exp = get_dht_time() + 10
@@ -144,7 +150,7 @@ def test_the_network_admits_by_inline_record_and_looks_up_only_without_one(signe
     net.membership = Membership(dht, signers[0], run_id=RUN, peer_id=net.peer_id, fingerprint="f",
                                 protocol=PROTOCOL_VERSION, ttl_s=15.0)
     net.membership.level = 3
-    net.admission = Admission(RUN, fingerprint="f", protocol=PROTOCOL_VERSION)
+    net.admission = _admission(signers)
     pid = PeerID.from_base58(caller.peer_id)
 
     async def main():
@@ -165,9 +171,8 @@ def test_the_dht_validators_check_a_record_once_and_still_refuse_altered_bytes(s
     from hivemind.dht.validation import CompositeValidator, DHTRecord
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from gasloc.peer.swarm.membership import make_validators
     m = _announced(FakeDHT(), signers[0])
-    _, validators = make_validators(RUN, RSAPrivateKey())
+    _, validators = make_validators(RUN, signers[1]._private_key)
     calls = []
     real = RSASignatureValidator.validate
     monkeypatch.setattr(RSASignatureValidator, "validate", lambda self, r: calls.append(1) or real(self, r))

@@ -3,17 +3,20 @@ a ready partner among N members, with bucketed records against the single key of
 
 Everything DHT-side is real and runs the peer's own code: `--dht-nodes` hivemind DHT processes (each with its
 p2pd) hold the records; N members' records, each signed with the member's own RSA-2048 key, are written through
-`Membership.announce` (the peer's class; one writer node signs for every member, `MultiSigner`, since a DHT node
-signs with the keys its validators hold); the searching peer runs its own DHT process with the peer's validators
+the peer's `Membership` (its store call into the keys `announce` writes, failed stores retried; one writer node
+signs for every member, `MultiSigner`, since a DHT node signs with the keys its validators hold); the searching peer runs its own DHT process with the peer's validators
 (`make_validators`) and reads through `BucketReader` (listing, find) or, for the old design, a get of the single
 key, parsed by `parse_listing` in both cases; peer exchange is the peer's `HintBook` / `merge_view` / `pick_hints`.
 
-What is modelled, not run: the members themselves. Each has a fixed record: "exchanging" (ready) with probability
-`--ready-share`, else "training". A call to a ready member finds it free with probability 1 - `--busy-share`
-(it may have paired meanwhile), after `--call-s` (a handshake); a busy member answers with the hints a peer
+What is modelled, not run: the members themselves. Each has a fixed record: "exchanging" (ready) for
+round(`--ready-share` x N) of them, drawn at random, else "training". A call to a ready member finds it free with
+probability 1 - `--busy-share` (it may have paired meanwhile), after `--call-s` (a handshake); a busy member
+answers with the hints a peer
 holding two buckets of records would send (`pick_hints` over them). The callee's membership check of the searcher
-is real: a `find` of the searcher's record in its bucket from another DHT node, counted in the searcher's bytes
-(it is the price of its call).
+is real: by default (`--callee-check inline`) the searcher's own signed record, as its requests carry it, checked
+by the peer's `Admission` (one per callee, so each callee verifies it once, as a live callee does), on the callee's
+CPU (reported apart: `callee_cpu_ms_per_round`), no DHT read; with `--callee-check lookup`, as before inline
+records, a `find` of the searcher's record in its bucket from another DHT node, counted in the searcher's bytes.
 
 One search (one round of a searching peer):
   buckets     list one bucket of our level (the background refresh a round sees); while no ready peer is in
@@ -22,8 +25,9 @@ One search (one round of a searching peer):
               --deadline-s passes
   single-key  the peer before buckets: list the whole key (the first listing of the search), then every 0.3 s
               while nobody ready is free
-Figures per design and N: dht_bytes_per_round (searcher's gets + the callee's check of it, entry_bytes),
-cpu_ms_per_round (CPU of the searcher's DHT process and its p2pd, plus the bench thread's parsing, per search),
+Figures per design and N: dht_bytes_per_round (searcher's gets + a lookup callee's check of it, entry_bytes),
+cpu_ms_per_round (CPU of the searcher's DHT process and its p2pd, plus the bench thread's parsing, per search;
+split into dht_cpu_ms, p2pd_cpu_ms, parse_cpu_ms),
 partner_found_s_median (over the searches that found one), partner_found_share, and the startup probe's bytes.
 The single key is expected to fail at ~4,000 records (one response over p2pd's 4 MiB message limit): its row
 then carries `error`.
@@ -109,20 +113,26 @@ def _multi_signer(signers):
 
 
 # ---------------------------------------------------------------------------------------------------- CPU
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process and its descendants (the DHT process and its p2pd)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total, stack = 0.0, [pid]
+def _own_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> tuple[float, float]:
+    """User + system CPU seconds of a process (the DHT process) and, apart, of its descendants (its p2pd)."""
+    own, rest, stack = 0.0, 0.0, [pid]
     while stack:
         p = stack.pop()
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            if p == pid:
+                own += _own_cpu_s(p)
+            else:
+                rest += _own_cpu_s(p)
             for t in Path(f"/proc/{p}/task").iterdir():
                 stack += [int(c) for c in (t / "children").read_text().split()]
         except (OSError, ValueError):
             continue
-    return total
+    return own, rest
 
 
 # ---------------------------------------------------------------------------------------------------- swarm
@@ -136,29 +146,43 @@ class Bench:
     def start(self, run_ids: list[str], keys: list) -> None:
         from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.p2p import P2P
+        from hivemind.utils.crypto import RSAPrivateKey
 
-        from gasloc.peer.swarm.membership import BucketSchemaValidator, load_identity
+        from gasloc.peer.swarm.membership import (
+            DHT_CACHE_NEAREST,
+            BucketSchemaValidator,
+            CachedSignatureValidator,
+            load_identity,
+            make_validators,
+        )
         from gasloc.runtime.safeproc import SafeDHT
 
         schemas = [BucketSchemaValidator(r) for r in run_ids]
         local = ["/ip4/127.0.0.1/tcp/0"]
         first = None
         for _ in range(self.o["dht_nodes"]):
+            # the holders: other peers' DHT nodes, with the validators a peer runs
             d = SafeDHT(initial_peers=first, start=True, host_maddrs=local,
-                        record_validators=[RSASignatureValidator(), *schemas])
+                        record_validators=[CachedSignatureValidator(RSAPrivateKey()), *schemas])
             first = first or [str(m) for m in d.get_visible_maddrs()]
             self.nodes.append(d)
         self.initial = first
         self.member_signers = [RSASignatureValidator(k) for k in keys]
-        # the writer signs for every member; client mode: it stores on the holders, holds nothing itself
+        # the writer signs for every member; client mode: it stores on the holders, holds nothing itself. It
+        # stores thousands of records at once, so it never blacklists a holder: at 5,000 members its RPCs timed
+        # out, it blacklisted every holder (5 s, doubling) and 2,309 of 15,000 stores then failed five times over
+        # (a live peer stores only its own record). A store that times out is retried (populate)
         self.writer = SafeDHT(initial_peers=first, start=True, host_maddrs=local, client_mode=True,
+                              blacklist_time=0,
                               record_validators=[_multi_signer(self.member_signers), *schemas])
         # the searching peer: its own libp2p identity, the validators a peer runs
         ident = self.workdir / "searcher.key"
         P2P.generate_identity(str(ident))
-        self.searcher_signer = RSASignatureValidator(load_identity(ident))
+        # exactly what a peer gives its DHT (make_validators), plus the other sizes' run ids
+        self.searcher_signer, validators = make_validators(run_ids[0], load_identity(ident))
         self.searcher = SafeDHT(initial_peers=first, start=True, host_maddrs=local, client_mode=True,
-                                identity_path=str(ident), record_validators=[self.searcher_signer, *schemas])
+                                identity_path=str(ident), cache_nearest=DHT_CACHE_NEAREST,
+                                record_validators=[*validators, *(BucketSchemaValidator(r) for r in run_ids[1:])])
 
     def stop(self) -> None:
         for d in [*self.nodes, getattr(self, "writer", None), getattr(self, "searcher", None)]:
@@ -175,12 +199,15 @@ class Bench:
         level = level_for(n)
         truth: dict[str, str] = {}
         members = []
-        for s in self.member_signers[:n]:
+        # exactly round(ready_share * n) ready members: a draw per member made 5 of 100 ready (seed 0), half the
+        # share the row claims, and those 5 sat in 4 of the 16 buckets
+        ready = set(self.rng.sample(range(n), max(1, round(self.o["ready_share"] * n))))
+        for i, s in enumerate(self.member_signers[:n]):
             pid = peer_id_of(s.local_public_key)
             m = Membership(self.writer, s, run_id=run_id, peer_id=pid, fingerprint="bench", protocol=1,
-                           ttl_s=self.o["ttl_s"], request_timeout_s=30.0)
+                           ttl_s=self.o["ttl_s"], request_timeout_s=10.0)
             m.level = level
-            state = "exchanging" if self.rng.random() < self.o["ready_share"] else "training"
+            state = "exchanging" if i in ready else "training"
             truth[pid] = state
             members.append((m, m.record(state=state, round=10, throughput_tps=1000.0, bandwidth_bps=1e7,
                                         loss=3.2, val_loss=3.3, round_s=12.0, partners=[])))
@@ -189,17 +216,51 @@ class Bench:
             exp = time.time() + self.o["ttl_s"]
             return await m._store(peers_key(run_id), rec.dict(), exp)
 
-        from hivemind.utils.timed_storage import ValueWithExpiration
+        from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
         m, rec = members[0]
         self.entry_size = entry_bytes(ValueWithExpiration({m.subkey: ValueWithExpiration(rec.dict(), 0.0)}, 0.0))
-        failed = 0
-        for i in range(0, n, 64):
-            batch = members[i:i + 64]
-            oks = await asyncio.gather(*(m.announce(r) for m, r in batch), *(old_store(m, r) for m, r in batch))
-            failed += sum(not ok for ok in oks)
-        if failed:
-            print(f"N={n}: {failed} stores not accepted", file=sys.stderr)
+        # every store of both layouts: each member's bucket keys (Membership._keys: its level and the one below,
+        # with the peer's store call) and the single key. On a loaded machine a share of them reaches no server in
+        # time (222 of 3,000 at N = 1,000 in one run): those are retried, as a live peer re-announces, up to 4 times
+        exp = get_dht_time() + self.o["ttl_s"]
+        jobs = [(m, k, r) for m, r in members for k in m._keys()] + [(m, None, r) for m, r in members]
+        for attempt in range(5):
+            failed = []
+            for i in range(0, len(jobs), 96):
+                batch = jobs[i:i + 96]
+                oks = await asyncio.gather(*(m._store(k, r.dict(), exp) if k is not None else old_store(m, r)
+                                             for m, k, r in batch))
+                failed += [j for j, ok in zip(batch, oks) if not ok]
+            if not failed:
+                break
+            print(f"N={n}: {len(failed)} of {len(jobs)} stores not accepted (pass {attempt + 1})", file=sys.stderr)
+            jobs = failed
+        self.store_failures = len(failed)
+        self.visible = await self._visible_share(run_id, truth, level)
         return truth
+
+    async def _visible_share(self, run_id: str, truth: dict[str, str], level: int, sample: int = 16) -> float:
+        """Share of the records of `sample` buckets that a get returns: a store that
+        reached no server (all timed out) says ok from a client's own storage, and a row over fewer records than
+        N is not a row of N (the first 5,000-member run read buckets holding a quarter of their records)."""
+        from hivemind.utils.timed_storage import get_dht_time
+
+        from gasloc.peer.swarm.membership import bucket_key, parse_listing
+        from gasloc.protocol.buckets import bucket_of
+
+        want: dict[int, set[str]] = {}
+        for p in truth:
+            want.setdefault(bucket_of(p, level), set()).add(p)
+        picks = self.rng.sample(sorted(want), min(sample, len(want)))
+        got = 0
+        for b in picks:
+            # through a holder (its get reads the others too), not the searcher, whose DHT would then hold these
+            # records' checks in its cache before the searches are measured
+            found = await self.nodes[0].get(bucket_key(run_id, level, b), latest=True, return_future=True)
+            got += len(set(parse_listing(found, now=get_dht_time())) & want[b])
+        share = got / max(1, sum(len(want[b]) for b in picks))
+        print(f"N={len(truth)}: {share:.3f} of the sampled buckets' records visible", file=sys.stderr)
+        return share
 
     # ------------------------------------------------------------------ one search, bucketed
     def _callee_hints(self, truth: dict[str, str], by_bucket: dict[int, list[str]], level: int, callee: str):
@@ -210,6 +271,21 @@ class Bench:
         view = {p: (truth[p], 10) for b in mine for p in by_bucket.get(b, [])}
         return pick_hints(view, HintBook(callee), time.monotonic(), exclude=(callee,), rng=self.rng)
 
+    def callee_admits(self, callee: str, me: str, inline) -> tuple[bool, str, float]:
+        """The callee's check of our inline record, as the live peer's `Network.admit_caller` runs it (each callee
+        with its own Admission and cache): (admitted, why not, callee CPU seconds)."""
+        from hivemind.utils.timed_storage import get_dht_time
+
+        from gasloc.peer.swarm.admission import Admission
+
+        t0 = time.thread_time()
+        adm = self.admissions.get(callee)
+        if adm is None:
+            adm = self.admissions[callee] = Admission(self.run_id, fingerprint="bench", protocol=1,
+                                                      validators=self.callee_validators)
+        rec, why = adm.check(me, inline, get_dht_time()) if inline is not None else (None, "no inline record")
+        return rec is not None, why, time.thread_time() - t0
+
     async def search_buckets(self, reader, responder, me: str, truth: dict[str, str],
                              by_bucket: dict[int, list[str]], level: int) -> dict:
         from gasloc.protocol.buckets import HintBook, listing_interval_s, merge_view
@@ -218,35 +294,52 @@ class Bench:
         book = HintBook(me)
         view: dict = {}
         tried: set[str] = set()
-        listings = 0
+        listings = calls = finds = 0
+        callee_cpu = 0.0
+        ready_seen: set[str] = set()
         t0 = time.monotonic()
         next_listing = t0
         while time.monotonic() - t0 < o["deadline_s"]:
             now = time.monotonic()
             _, ready = merge_view({p: (r.state, r.round) for p, r in view.items()}, book, now)
+            ready_seen |= ready
             cands = sorted(ready - tried - {me})
             if not cands:
                 if now >= next_listing:
                     view.update(reader.prune(await reader.listing() or {}))
                     listings += 1
                     next_listing = time.monotonic() + listing_interval_s(listings)
-                else:
-                    await asyncio.sleep(min(0.05, next_listing - now))
+                else:   # nothing else can show a ready peer before the next listing (no caller in this model)
+                    await asyncio.sleep(next_listing - now)
                 continue
             peer = self.rng.choice(cands)
             tried.add(peer)
             if peer not in view:                 # a hinted peer: its record first (the initiator's check)
+                finds += 1
                 rec = await reader.find(peer)
                 if rec is None:
                     continue
                 view[peer] = rec
-            if await responder.find(me) is None:  # the callee's check of us, in our bucket
-                return {"found": False, "s": None, "listings": listings, "error": "searcher not found by callee"}
+            calls += 1
+            if o["callee_check"] == "lookup":
+                if await responder.find(me) is None:  # the callee's check of us, in our bucket
+                    return {"found": False, "s": None, "listings": listings, "calls": calls, "finds": finds,
+                            "callee_cpu_s": callee_cpu, "ready_seen": len(ready_seen),
+                            "error": "searcher not found by callee"}
+            else:
+                ok, why, cpu = self.callee_admits(peer, me, reader.inline)
+                callee_cpu += cpu
+                if not ok:
+                    return {"found": False, "s": None, "listings": listings, "calls": calls, "finds": finds,
+                            "callee_cpu_s": callee_cpu, "ready_seen": len(ready_seen),
+                            "error": f"searcher refused by callee: {why}"}
             await asyncio.sleep(o["call_s"])
             if truth.get(peer) == "exchanging" and self.rng.random() >= o["busy_share"]:
-                return {"found": True, "s": time.monotonic() - t0, "listings": listings}
+                return {"found": True, "s": time.monotonic() - t0, "listings": listings, "calls": calls,
+                        "finds": finds, "callee_cpu_s": callee_cpu, "ready_seen": len(ready_seen)}
             book.heard(peer, self._callee_hints(truth, by_bucket, level, peer), time.monotonic())
-        return {"found": False, "s": None, "listings": listings}
+        return {"found": False, "s": None, "listings": listings, "calls": calls, "finds": finds,
+                "callee_cpu_s": callee_cpu, "ready_seen": len(ready_seen)}
 
     # ------------------------------------------------------------------ one search, single key
     async def search_single(self, reader, me: str, truth: dict[str, str]) -> dict:
@@ -273,10 +366,12 @@ class Bench:
 
     # ------------------------------------------------------------------ one N, both designs
     async def measure(self, run_id: str, n: int) -> list[dict]:
-        from gasloc.peer.swarm.membership import BucketReader, Membership, peer_id_of
+        from gasloc.peer.swarm.membership import BucketReader, Membership, make_validators, peer_id_of
         from gasloc.protocol.buckets import bucket_of, level_for
 
         o = self.o
+        self.run_id, self.admissions = run_id, {}
+        self.callee_validators = make_validators(run_id)[1]
         t0 = time.monotonic()
         truth = await self.populate(run_id, n)
         populate_s = time.monotonic() - t0
@@ -300,13 +395,17 @@ class Bench:
                 responder.level = own.level
             per = []
             for _ in range(o["searches"]):
-                cpu0, th0 = proc_cpu_s(self.searcher.pid), time.thread_time()
+                (dht0, p2pd0), th0 = proc_cpu_s(self.searcher.pid), time.thread_time()
                 b0, r0 = reader.bytes_read, responder.bytes_read
                 if design == "buckets":
                     res = await self.search_buckets(reader, responder, me, truth, by_bucket, level_for(n))
                 else:
                     res = await self.search_single(reader, me, truth)
-                res["cpu_ms"] = 1000 * (proc_cpu_s(self.searcher.pid) - cpu0 + time.thread_time() - th0)
+                (dht1, p2pd1), th1 = proc_cpu_s(self.searcher.pid), time.thread_time()
+                callee = res.get("callee_cpu_s", 0.0)
+                res.update(dht_cpu_ms=1000 * (dht1 - dht0), p2pd_cpu_ms=1000 * (p2pd1 - p2pd0),
+                           parse_cpu_ms=1000 * (th1 - th0 - callee), callee_cpu_ms=1000 * callee)
+                res["cpu_ms"] = res["dht_cpu_ms"] + res["p2pd_cpu_ms"] + res["parse_cpu_ms"]
                 res["bytes"] = reader.bytes_read - b0 + responder.bytes_read - r0
                 res["responder_bytes"] = responder.bytes_read - r0
                 per.append(res)
@@ -324,10 +423,16 @@ class Bench:
                 "searches": len(per),
                 "listings_per_round": round(statistics.mean(r["listings"] for r in per), 2),
                 "responder_bytes_per_round": round(statistics.mean(r["responder_bytes"] for r in per)),
+                **{f"{k}_per_round": round(statistics.mean(r[k] for r in per), 2)
+                   for k in ("dht_cpu_ms", "p2pd_cpu_ms", "parse_cpu_ms", "callee_cpu_ms")},
+                "callee_check": o["callee_check"] if design == "buckets" else None,
+                "per_search": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
+                               for r in per],
                 "startup_bytes": startup_bytes,
                 "buckets": (1 << own.level) if design == "buckets" else 1,
                 "estimate": round(own.estimate.value) if design == "buckets" else None,
                 "ready_share": o["ready_share"], "populate_s": round(populate_s, 1),
+                "records_visible_share": round(self.visible, 3), "stores_failed": self.store_failures,
                 "error": (f"{errors[0]} (one response of ~{whole_mib:.1f} MiB; p2pd's message limit is 4 MiB)"
                           if errors and design == "single-key" else (errors[0] if errors else None)),
             })
@@ -361,9 +466,13 @@ def _table(rows: list[dict]) -> str:
               "fails (swarm.partner_deadline_s)")
 @click.option("--keys", "keys_path", default="runs/scale-keys.bin", type=click.Path(dir_okay=False, path_type=Path),
               help="cache of the members' RSA keys (made on first use)")
+@click.option("--callee-check", default="inline", type=click.Choice(["inline", "lookup"]),
+              help="how a callee checks the searcher: its inline signed record (the live peer), or a DHT lookup of "
+                   "it (peers before inline records)")
 @click.option("--seed", default=0, type=int)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="write {'rows': [...]}")
-def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline_s, keys_path, seed, json_out):
+def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline_s, keys_path, callee_check, seed,
+         json_out):
     try:
         sizes = [int(x) for x in members.split(",") if x.strip()]
     except ValueError:
@@ -371,7 +480,7 @@ def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline
     if not sizes or min(sizes) < 2:
         raise click.BadParameter("every size must be at least 2", param_hint="--members")
     o = dict(searches=searches, dht_nodes=dht_nodes, ready_share=ready_share, busy_share=busy_share, call_s=call_s,
-             deadline_s=deadline_s, seed=seed, ttl_s=3600.0)
+             deadline_s=deadline_s, seed=seed, ttl_s=3600.0, callee_check=callee_check)
     keys = load_keys(keys_path, max(sizes))
     bench = Bench(o)
     run_ids = [f"scale-n{n}" for n in sizes]

@@ -94,6 +94,29 @@ class WireHint(_Wire):
 
 Hints = tuple[WireHint, ...]
 
+# caps of an inline membership record (docs/membership.md): a real one is ~1.9 KB of JSON (a 1 KB signed value,
+# a 380-byte RSA-2048 owner subkey); anything far longer is garbage we need not parse
+MAX_MEMBER_KEY_CHARS = 96
+MAX_MEMBER_SUBKEY_CHARS = 1024
+MAX_MEMBER_VALUE_CHARS = 4096
+
+
+class WireMember(_Wire):
+    """The caller's own signed DHT membership record, as its bucket holds it: the callee checks it (signature
+    under the subkey's RSA key, that key's peer id = the stream's remote peer, schema, run id, expiration) instead
+    of looking the caller up in the DHT. Every field is the caller's claim until those checks pass."""
+    key: str = Field(min_length=1, max_length=MAX_MEMBER_KEY_CHARS, description="the bucket key it is stored under")
+    subkey: str = Field(min_length=1, max_length=MAX_MEMBER_SUBKEY_CHARS,
+                        description="its DHT subkey: b'[owner:<RSA public key>]' as ASCII text")
+    value: str = Field(min_length=1, max_length=MAX_MEMBER_VALUE_CHARS,
+                       description="base64 of the signed value bytes (msgpack record + [signature:...])")
+    expiration: float = Field(description="the DHT expiration time the signature covers")
+
+
+# the longest inline record a header may carry: what header caps are computed from
+WIDEST_MEMBER = WireMember(key="k" * MAX_MEMBER_KEY_CHARS, subkey="s" * MAX_MEMBER_SUBKEY_CHARS,
+                           value="v" * MAX_MEMBER_VALUE_CHARS, expiration=2.0**62)
+
 
 class ExchangeRequest(_Wire):
     """Initiator -> responder: "I want to exchange; this is what I will send once you accept"."""
@@ -108,6 +131,8 @@ class ExchangeRequest(_Wire):
     auth: str = Field("", max_length=64, description="private swarm: the sender's proof of the swarm key "
                       "(protocol/auth.py); empty in an open swarm")
     peers: Hints = Field((), max_length=MAX_WIRE_HINTS, description="peer exchange: live peers the sender saw")
+    member: WireMember | None = Field(None, description="the sender's own signed membership record (None: an "
+                                      "older caller; the callee then looks it up in the DHT)")
 
 
 class ExchangeReply(_Wire):
@@ -143,6 +168,8 @@ class StateRequest(_Wire):
     auth: str = Field("", max_length=64, description="private swarm: the sender's proof of the swarm key "
                       "(protocol/auth.py); empty in an open swarm")
     peers: Hints = Field((), max_length=MAX_WIRE_HINTS, description="peer exchange: live peers the sender saw")
+    member: WireMember | None = Field(None, description="the sender's own signed membership record (None: an "
+                                      "older caller; the donor then looks it up in the DHT)")
 
 
 class StateReply(_Wire):

@@ -33,7 +33,8 @@ from gasloc.protocol.messages import (
 LENGTH_PREFIX_BYTES = 4
 MAX_HEADER_BYTES = 1 << 20   # 1 MiB: the most any header may be; a receiver caps far lower (header_cap)
 HEADER_SLACK_BYTES = 2048    # room above our own header's size for a peer's longer strings and newer fields
-SMALL_HEADER_BYTES = 4096    # cap of headers that carry no tensor specs (a state request, a lane hello, a refusal)
+SMALL_HEADER_BYTES = 4096    # cap of headers that carry no tensor specs (a lane hello, a refusal)
+STATE_REQUEST_BYTES = 8192   # a state request: SMALL_HEADER_BYTES + the caller's inline record (WireMember, <= 5.2 KB)
 _LENGTH = struct.Struct(">I")
 
 H = TypeVar("H", bound=BaseModel)

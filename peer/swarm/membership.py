@@ -25,12 +25,14 @@ from the self-declared `time`. The exchange layer still authenticates every call
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import hashlib
 import logging
 import math
 import random
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import DHTRecord
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
@@ -56,6 +59,7 @@ from gasloc.protocol.buckets import (
     lookup_levels,
     writer_levels,
 )
+from gasloc.protocol.messages import WireMember
 from gasloc.protocol.reach import MAX_VIA, RECORD_REACH
 
 log = logging.getLogger(__name__)
@@ -153,9 +157,44 @@ def bucket_key(run_id: str, level: int, bucket: int) -> str:
     return f"{run_id}_m{level}_{bucket}"
 
 
-class BucketSchemaValidator(SchemaValidator):
+VALIDATION_CACHE = 8192   # records whose check result a DHT node keeps (a few buckets' worth, many times over)
+
+
+class _CachedChecks:
+    """The result of `validate` kept by the record's bytes (key, subkey, value, expiration): the DHT checks every
+    entry of every replica's answer to every get (a bucket read from 5 replicas is 5 checks of each record, and the
+    next listing reads many of the same records again), and each check is an RSA verification or a pydantic parse.
+    The result is a function of those bytes alone, so a record seen before costs a sha256 and a dict lookup."""
+
+    def _cached(self, record, check) -> bool:
+        cache = self.__dict__.setdefault("_checked", OrderedDict())
+        h = hashlib.sha256(record.key)
+        for part in (record.subkey or b"", record.value):
+            h.update(len(part).to_bytes(8, "big"))
+            h.update(part)
+        h.update(repr(record.expiration_time).encode())
+        k = h.digest()
+        ok = cache.get(k)
+        if ok is None:
+            ok = cache[k] = bool(check(record))
+            if len(cache) > VALIDATION_CACHE:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(k)
+        return ok
+
+
+class CachedSignatureValidator(_CachedChecks, RSASignatureValidator):
+    """hivemind's RSASignatureValidator (signs with our key, checks owners' signatures), results cached."""
+
+    def validate(self, record) -> bool:
+        return self._cached(record, super().validate)
+
+
+class BucketSchemaValidator(_CachedChecks, SchemaValidator):
     """hivemind's SchemaValidator with every bucket key of every level (2**(MAX_LEVEL+1) - 1 of them) checked
-    against SwarmSchema's one field, as the single key is: the same strict record check wherever a record lives."""
+    against SwarmSchema's one field, as the single key is: the same strict record check wherever a record lives.
+    Results cached by the record's bytes (_CachedChecks)."""
 
     def __init__(self, run_id: str):
         super().__init__(SwarmSchema, prefix=run_id)
@@ -163,6 +202,9 @@ class BucketSchemaValidator(SchemaValidator):
         for level in range(MAX_LEVEL + 1):
             for b in range(1 << level):
                 self._key_id_to_field_name[DHTID.generate(source=bucket_key(run_id, level, b)).to_bytes()] = field
+
+    def validate(self, record) -> bool:
+        return self._cached(record, super().validate)
 
 
 class IdentityError(ValueError):
@@ -213,9 +255,18 @@ def make_validators(run_id: str, identity: RSAPrivateKey | None = None) -> tuple
     """The record signer and the validators to give the DHT. A peer passes its libp2p identity key (so its records
     are bound to its peer id); a bootstrap, which announces nothing, may let a fresh key be made. Never
     RSAPrivateKey.process_wide(): forked peers would share it."""
-    signer = RSASignatureValidator(identity or RSAPrivateKey())
+    signer = CachedSignatureValidator(identity or RSAPrivateKey())
     return signer, [signer, BucketSchemaValidator(run_id)]
 
+
+# A get of a bucket asks the nearest GET_BEAM nodes, not hivemind's default beam of 20: a store writes to the 5
+# nearest (hivemind's num_replicas), so those hold every copy, and each further node is one more RPC, parsed and
+# checked in our DHT process and carried by our p2pd (bench/scale.py measures what a listing costs)
+GET_BEAM = 5
+# Our DHT node pushes no result of a get to the nearest node that lacked it (hivemind's cache_nearest=1): that is
+# Kademlia's remedy for hot keys, and bucket keys are not hot; it cost one more store RPC per get, and a holder
+# answers from such a cached snapshot in place of its own storage when the snapshot's expiration is later
+DHT_CACHE_NEAREST = 0
 
 SIGNATURE_BYTES = 357  # b"[signature:<344 base64 chars>]" of an RSA-2048 signature, stripped before we see a value
 
@@ -250,7 +301,7 @@ class BucketReader:
         """A DHT get of one key; None when it did not answer in time (which says nothing about who is alive)."""
         self.gets += 1
         try:
-            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True),
+            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True, beam_size=GET_BEAM),
                                            self.request_timeout_s)
         except TimeoutError:
             log.warning("dht_get_timeout key=%s timeout_s=%.1f", key, self.request_timeout_s)
@@ -350,6 +401,11 @@ class Membership(BucketReader):
         self._last_expiration = 0.0
         self._failed_in_a_row = 0
         self._written: dict[str, float] = {}   # bucket key -> when we last stored there (monotonic)
+        self.inline: WireMember | None = None  # our last announced record as signed for our bucket (admission.py)
+        # A DHT client (behind NAT, or a bench writer) answers nobody's gets, yet hivemind counts a copy in its own
+        # storage as one of the stored replicas: with every server store timing out (a loaded swarm blacklists
+        # them), a store "succeeded" that nobody else can read. So a client stores on servers only.
+        self._store_kwargs = {"exclude_self": True} if getattr(dht, "client_mode", False) is True else {}
 
     @property
     def key(self) -> str:
@@ -375,6 +431,8 @@ class Membership(BucketReader):
         DHT node accepted it in any (logged, retried later)."""
         expiration = max(get_dht_time() + self.ttl_s, self._last_expiration + 1e-3)
         keys = self._keys()
+        # what our exchange and state requests carry, so that a callee needs no lookup of us (admission.py)
+        self.inline = signed_member(self.signer, keys[0], record.dict(), expiration)
         oks = await asyncio.gather(*(self._store(k, record.dict(), expiration) for k in keys))
         ok = any(oks)
         if ok:
@@ -404,7 +462,7 @@ class Membership(BucketReader):
     async def _store(self, key: str, value, expiration: float) -> bool:
         try:
             return bool(await asyncio.wait_for(
-                self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True),
+                self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True, **self._store_kwargs),
                 self.request_timeout_s))
         except TimeoutError:
             log.warning("dht_store_timeout key=%s timeout_s=%.1f", key, self.request_timeout_s)
@@ -413,6 +471,16 @@ class Membership(BucketReader):
     def compatible(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
         """Peers we can pair with: same fingerprint and protocol, not us."""
         return compatible(records, peer_id=self.peer_id, fingerprint=self.fingerprint, protocol=self.protocol)
+
+
+def signed_member(signer: RSASignatureValidator, key: str, record: dict, expiration: float) -> WireMember:
+    """A record as bucket `key` holds it, signed as our DHT node signs it (with the same RSA key): an inline
+    membership record (peer/swarm/admission.py). One RSA signature, once per announcement."""
+    subkey = signer.local_public_key
+    rec = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey),
+                    MSGPackSerializer.dumps(record), expiration)
+    return WireMember(key=key, subkey=subkey.decode("ascii"), value=base64.b64encode(signer.sign_value(rec)).decode(),
+                      expiration=float(expiration))
 
 
 def parse_listing(found, now: float, expirations: dict[str, float] | None = None,

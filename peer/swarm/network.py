@@ -24,8 +24,10 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from gasloc.peer.swarm.absence import AbsenceWatch
+from gasloc.peer.swarm.admission import Admission
 from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe, probe_addrs, relay_handler_name
 from gasloc.peer.swarm.membership import (
+    DHT_CACHE_NEAREST,
     BucketReader,
     IdentityError,
     Membership,
@@ -39,7 +41,7 @@ from gasloc.peer.swarm.membership import (
 from gasloc.peer.swarm.swarmkey import load_swarm_key
 from gasloc.protocol.auth import SwarmKeyError
 from gasloc.protocol.buckets import HintBook, PeerHint, listing_interval_s, pick_hints
-from gasloc.protocol.messages import PROTOCOL_VERSION
+from gasloc.protocol.messages import PROTOCOL_VERSION, WireMember
 from gasloc.protocol.reach import probed_reachability, record_reach, reprobe_due, reprobed_reachability, route
 from gasloc.runtime.aio import LoopThread
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
@@ -108,6 +110,8 @@ class Network:
         self.private, self.reach_source = False, "config"
         self.dht_client = False                    # our DHT node hosts no keys (behind NAT)
         self._probed_at, self._probed_addrs = 0.0, []  # the last reachability probe: when (monotonic), what it asked
+        self.admission: Admission | None = None    # checks callers' inline records (admission.py)
+        self._validators: list = []
 
     def _identity_path(self) -> tuple[str, bool]:
         """The libp2p identity file and whether it is ours alone (made just now). Records are signed with this
@@ -179,10 +183,11 @@ class Network:
             raise StartupError(str(e)) from None
         # our records are signed with the libp2p identity itself: that binds them to our peer id
         self.signer, validators = make_validators(self.cfg.swarm.run_id, identity)
+        self._validators = validators
         m = self.cfg.metrics
         p2pd_flags = {"metricsAddr": f"{m.host}:{m.p2pd_port}"} if m.p2pd_port else None
         dht = SafeDHT(p2pd_flags=p2pd_flags, initial_peers=net.initial_peers or None, start=False,
-                      record_validators=validators,
+                      record_validators=validators, cache_nearest=DHT_CACHE_NEAREST,
                       host_maddrs=net.listen_maddrs, announce_maddrs=net.announce_maddrs or None,
                       identity_path=identity_path, startup_timeout=net.startup_timeout_s, **extra)
         self.dht = dht
@@ -213,6 +218,8 @@ class Network:
             self.aio = LoopThread()
         timeout = self.cfg.network.startup_timeout_s
         self.p2p = RoutedP2P(self.aio.run(self.dht.replicate_p2p(), timeout), self.cfg.swarm.run_id, self._via_of)
+        self.admission = Admission(self.cfg.swarm.run_id, fingerprint=self.fingerprint, protocol=PROTOCOL_VERSION,
+                                   validators=self._validators)
         self.membership = Membership(self.dht, self.signer, run_id=self.cfg.swarm.run_id, peer_id=self.peer_id,
                                      fingerprint=self.fingerprint, protocol=PROTOCOL_VERSION,
                                      ttl_s=self.cfg.swarm.announce_ttl_s,
@@ -372,7 +379,7 @@ class Network:
         self.state_server = StateServer(self.p2p, self._get_state, self.fingerprint, self.cfg.swarm.run_id,
                                         self.cfg.state_transfer, is_member=self.confirm_member,
                                         swarm_key=self.swarm_key, hints_out=self.hints_for,
-                                        hints_in=self.heard,
+                                        hints_in=self.heard, admit=self.admit_caller,
                                         on_served=lambda **fields: self.emit("state_served", **fields))
         self.aio.run(self.state_server.start(), self.cfg.network.startup_timeout_s)
 
@@ -531,6 +538,28 @@ class Network:
         """Whether we hold a live, compatible record of `peer_id` (no DHT traffic)."""
         return str(peer_id) in self.live
 
+    def member_out(self) -> WireMember | None:
+        """Our own signed record for the requests we send (None before the first announcement)."""
+        return None if self.membership is None else self.membership.inline
+
+    async def admit_caller(self, peer_id: PeerID, member: WireMember | None) -> bool:
+        """On the loop, for the exchange handler and the state server: whether a caller is a live, compatible
+        member. Held in our view: yes. Else its inline record decides (admission.py: signature, its owner is the
+        caller, run, schema, expiration, configuration), and a valid one joins our view until it expires. Only a
+        caller without one (an older gasloc) is looked up in the DHT (`confirm_member`)."""
+        pid = str(peer_id)
+        if self.is_member(peer_id):
+            return True
+        if member is None:
+            return await self.confirm_member(peer_id)
+        rec, why = self.admission.check(pid, member, get_dht_time())
+        if rec is None:
+            log.debug("caller_refused peer=%s why=%s", pid, why)
+            return False
+        self.membership.expirations[pid] = max(self.membership.expirations.get(pid, 0.0), member.expiration)
+        self._take({pid: rec})
+        return self.is_member(peer_id)
+
     async def confirm_member(self, peer_id: PeerID) -> bool:
         """On the loop: whether `peer_id` has a live, compatible record. Not in our partial view: its own bucket
         is looked up (one DHT get when its level is ours; a joiner's first announcement is found at once). A
@@ -634,7 +663,7 @@ class Network:
         log.info("join: downloading state, candidate donors=%d", len(donors))
         coro = download_state(self.p2p, [PeerID.from_base58(d) for d in donors], specs, self.fingerprint,
                               self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs,
-                              swarm_key=self.swarm_key, hints_in=self.heard)
+                              swarm_key=self.swarm_key, hints_in=self.heard, member=self.member_out())
         try:
             metadata, tensors = self.aio.run(coro, self.cfg.swarm.join_timeout_s)
         except TimeoutError:

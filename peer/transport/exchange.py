@@ -12,10 +12,12 @@ Failure semantics (what the daemon may rely on):
 - An exchange is `ok` only if both payloads arrived whole, ours passed the partner's checks and theirs passed ours
   (the verdict bytes). Anything else returns tensors=None: a half-received partner state is never returned, and the
   offered tensors are never written to.
-- Who before what: a caller that is not a live member gets NOT_MEMBER before we read a byte from it; its header
-  may be at most our own header's size plus slack (`header_cap`), and in a private swarm it must carry the proof
-  of the swarm key bound to both peer ids (else NOT_AUTHORIZED, and an initiator sends nothing to a responder
-  whose OK lacks its own proof). At most `max_concurrent_handlers` callers are served at once; more are closed
+- Who before what: we read a caller's request header and nothing else before it is a proven member. The header
+  may be at most our own header's size plus slack (`header_cap`); in a private swarm it must carry the proof of
+  the swarm key bound to both peer ids (else NOT_AUTHORIZED, and an initiator sends nothing to a responder whose
+  OK lacks its own proof); then the caller's signed record it carries (`member`, checked by `admit`; an older
+  caller without one is looked up) must be its own and live, else NOT_MEMBER. None of these answers names
+  other peers. At most `max_concurrent_handlers` callers are served at once; more are closed
   on unread.
 - Everything a partner declares is validated before a byte of payload is buffered: version, fingerprint,
   wire dtype, declared size <= max_message_bytes, tensor count, shapes and dtypes; values are checked
@@ -56,9 +58,11 @@ from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     MAX_STREAMS,
     PROTOCOL_VERSION,
+    WIDEST_MEMBER,
     ExchangeReply,
     ExchangeRequest,
     TensorSpec,
+    WireMember,
     payload_bytes,
 )
 from gasloc.protocol.wire import WireError, check_reply, check_request, encode_header, header_cap, lane_count
@@ -181,10 +185,16 @@ class Exchanger:
                  is_member: Callable[[PeerID], bool | Awaitable[bool]], namespace: str,
                  declines: Callable[[PeerID], str | None] = lambda peer_id: None, swarm_key: bytes | None = None,
                  hints_out: Callable[[str], Sequence[PeerHint]] | None = None,
-                 hints_in: Callable[..., None] | None = None):
+                 hints_in: Callable[..., None] | None = None,
+                 admit: Callable[[PeerID, WireMember | None], bool | Awaitable[bool]] | None = None,
+                 member_out: Callable[[], WireMember | None] = lambda: None):
         self.cfg, self.p2p = cfg, p2p
         self.specs = [s if isinstance(s, TensorSpec) else TensorSpec.of(*s) for s in specs]
         self.fingerprint, self.is_member = fingerprint, is_member
+        # membership of a caller, given the record its request carries (None: an older caller): by default
+        # `is_member`; the live peer checks the inline record and looks the caller up only without one
+        self.admit = admit or (lambda peer_id, member: is_member(peer_id))
+        self.member_out = member_out   # our own signed record, for the requests we send
         self.declines = declines       # partner policy: a reason to answer a valid caller busy, or None
         self.swarm_key = swarm_key     # a private swarm's secret: every exchange proves it (protocol/auth.py)
         # peer exchange (protocol/buckets.py): what we tell a member in our headers, and what it told us
@@ -198,10 +208,10 @@ class Exchanger:
         widest = ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint="f" * 128, round=2**62,
                                  wire_dtype="bfloat16", specs=tuple(self.specs), total_bytes=2**62,
                                  streams=MAX_STREAMS, auth="a" * PROOF_HEX_CHARS, peers=WIDEST_HINTS)
-        self.max_header_bytes = header_cap(ExchangeReply(
-            protocol_version=PROTOCOL_VERSION, code=0, message="m" * 512, fingerprint=widest.fingerprint,
-            round=widest.round, wire_dtype=widest.wire_dtype, specs=widest.specs, total_bytes=widest.total_bytes,
-            token="t" * 64, auth=widest.auth, peers=WIDEST_HINTS))
+        self.max_header_bytes = max(header_cap(widest.model_copy(update={"member": WIDEST_MEMBER})), header_cap(
+            ExchangeReply(protocol_version=PROTOCOL_VERSION, code=0, message="m" * 512, fingerprint=widest.fingerprint,
+                          round=widest.round, wire_dtype=widest.wire_dtype, specs=widest.specs,
+                          total_bytes=widest.total_bytes, token="t" * 64, auth=widest.auth, peers=WIDEST_HINTS)))
         self.rejected_unread = 0       # callers closed before a byte was read (over the handler cap)
         self._local_dtypes = [torch_dtype(s.dtype) for s in self.specs]
         self._offer: _Offer | None = None
@@ -338,7 +348,7 @@ class Exchanger:
                                               round=offer.round, wire_dtype=self.cfg.wire_dtype,
                                               specs=tuple(self.specs), total_bytes=total, streams=lanes,
                                               auth=self._proof(EXCHANGE_CALL, me, partner),
-                                              peers=wire_hints(self.hints_out(partner)))
+                                              peers=wire_hints(self.hints_out(partner)), member=self.member_out())
                     await channels[0].write(encode_header(request))
                     reply = await read_header(channels[0], ExchangeReply, self.max_header_bytes)
                     if reply.code != int(Code.NOT_MEMBER):   # a BUSY answer tells us of others, too
@@ -419,26 +429,33 @@ class Exchanger:
     async def _respond(self, ch: Channel, peer_id: PeerID) -> None:
         partner = str(peer_id)
         t0 = time.monotonic()
-        # the caller's transport identity (authenticated by p2pd's TLS/Noise) first, before reading anything
-        if not await _maybe_await(self.is_member(peer_id)):
-            return await self._reply(ch, partner, Code.NOT_MEMBER, "you are not a live member of this run",
-                                     member=False)
+        # The header first (capped at max_header_bytes, within accept_timeout_s): it carries the caller's own
+        # signed record, which proves membership without a DHT lookup. Until membership is proven, an answer
+        # names no other peer (member=False).
         try:
             async with asyncio.timeout(self.cfg.accept_timeout_s):
                 request = await read_header(ch, ExchangeRequest, self.max_header_bytes)
         except WireError as e:
-            return await self._reply(ch, partner, e.code, str(e))
+            return await self._reply(ch, partner, e.code, str(e), member=False)
         except asyncio.IncompleteReadError:
             # the caller closed its side mid-header: it may still read, so it gets its code
-            return await self._reply(ch, partner, Code.BAD_HEADER, "the request header was cut short")
+            return await self._reply(ch, partner, Code.BAD_HEADER, "the request header was cut short", member=False)
         except TimeoutError:
-            return await self._reply(ch, partner, Code.TIMEOUT, "no request header within accept_timeout_s")
+            return await self._reply(ch, partner, Code.TIMEOUT, "no request header within accept_timeout_s",
+                                     member=False)
         except STREAM_ERRORS as e:
             log.debug("exchange role=responder partner=%s no_request=%s: %s", partner, type(e).__name__, e)
             return
         me = self._me()
+        # a private swarm's key before membership: a record signed by a peer without the key is nobody's (no
+        # such record could enter the swarm's DHT), so it is not even looked at
         if not proof_ok(self.swarm_key, request.auth, EXCHANGE_CALL, partner, me):
-            return await self._reply(ch, partner, Code.NOT_AUTHORIZED, "no valid proof of this swarm's key")
+            return await self._reply(ch, partner, Code.NOT_AUTHORIZED, "no valid proof of this swarm's key",
+                                     member=False)
+        # the caller's transport identity (authenticated by p2pd's TLS/Noise) against its record
+        if not await _maybe_await(self.admit(peer_id, request.member)):
+            return await self._reply(ch, partner, Code.NOT_MEMBER, "you are not a live member of this run",
+                                     member=False)
         code, why = check_request(request, expected_specs=self.specs, fingerprint=self.fingerprint,
                                   max_bytes=self.max_message_bytes)
         if code == Code.OK:   # a compatible caller is searching for a partner: ready, worth telling others of

@@ -5,11 +5,11 @@ metadata, specs, total_bytes and the sha256 of the payload), then the payload: e
 Tensors are the donor's parameters followed by `num_outer` outer-optimizer state tensors (the daemon puts
 `"num_outer": k` in the metadata when it serves outer state; 0 or absent means parameters only).
 
-The donor checks who before what: a caller that is not a live member (asked through `is_member`, which may take
-a fresh listing) gets NOT_MEMBER before a byte is read; at most `max_concurrent_requests` callers are handled at
-once (more are closed unread); the request header is capped at SMALL_HEADER_BYTES; in a private swarm it must
-carry the proof of the swarm key (NOT_AUTHORIZED), and the reply carries the donor's, without which the joiner
-takes nothing. A joiner that received a whole state is refused further ones (RATE_LIMITED) for
+The donor checks who before what: it reads the request header (capped at STATE_REQUEST_BYTES) and nothing else
+before the caller is a proven member; at most `max_concurrent_requests` callers are handled at once (more are
+closed unread); in a private swarm the request must carry the proof of the swarm key (NOT_AUTHORIZED), then the
+joiner's own signed record it carries must pass `admit` (an older joiner without one is looked up in the DHT),
+else NOT_MEMBER; the reply carries the donor's proof, without which the joiner takes nothing. A joiner that received a whole state is refused further ones (RATE_LIMITED) for
 `min_request_interval_s`, so nobody can keep a donor snapshotting, hashing and sending its state.
 
 The joiner validates before buffering (version, fingerprint, specs equal to what it expects, declared size within
@@ -37,8 +37,15 @@ from gasloc.peer.transport.tensor_io import byte_view, in_thread, is_finite, tor
 from gasloc.protocol.auth import PROOF_HEX_CHARS, STATE_ANSWER, STATE_CALL, proof_ok, stream_proof
 from gasloc.protocol.buckets import WIDEST_HINTS, PeerHint, from_wire, wire_hints
 from gasloc.protocol.codes import Code
-from gasloc.protocol.messages import PROTOCOL_VERSION, StateReply, StateRequest, TensorSpec, payload_bytes
-from gasloc.protocol.wire import SMALL_HEADER_BYTES, WireError, check_state_reply, encode_header, header_cap
+from gasloc.protocol.messages import (
+    PROTOCOL_VERSION,
+    StateReply,
+    StateRequest,
+    TensorSpec,
+    WireMember,
+    payload_bytes,
+)
+from gasloc.protocol.wire import STATE_REQUEST_BYTES, WireError, check_state_reply, encode_header, header_cap
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +91,15 @@ class StateServer:
                  cfg: StateTransferConfig | None = None, *, is_member: Callable[[PeerID], Awaitable[bool]],
                  swarm_key: bytes | None = None, on_served: Callable[..., None] | None = None,
                  hints_out: Callable[[str], Sequence[PeerHint]] | None = None,
-                 hints_in: Callable[..., None] | None = None):
+                 hints_in: Callable[..., None] | None = None,
+                 admit: Callable[[PeerID, WireMember | None], Awaitable[bool]] | None = None):
         self.p2p, self.get_state, self.fingerprint = p2p, get_state, fingerprint
         self.on_served = on_served or (lambda **fields: None)  # one call per served download (metrics)
         self.cfg = cfg or StateTransferConfig()
         self.name = handler_name(namespace)
         self.is_member, self.swarm_key = is_member, swarm_key
+        # membership given the joiner's inline record (None: an older joiner); by default `is_member`
+        self.admit = admit or (lambda peer_id, member: is_member(peer_id))
         # peer exchange (protocol/buckets.py): a joiner learns of live peers from its donor's every answer
         self.hints_out = hints_out or (lambda joiner: ())
         self.hints_in = hints_in or (lambda joiner, hints, **seen: None)
@@ -132,14 +142,11 @@ class StateServer:
         self._tasks.add(task)
         try:
             async with asyncio.timeout(self.cfg.per_donor_timeout_s):
-                # who before what: the caller's transport identity against the membership, before any read
-                async with asyncio.timeout(self.cfg.accept_timeout_s):
-                    member = await self.is_member(info.peer_id)
-                if not member:
-                    return await self._reply(ch, Code.NOT_MEMBER, "you are not a live member of this run")
+                # who before what: the capped header only (it carries the joiner's signed record), then the key's
+                # proof, then the caller's transport identity against that record
                 try:
                     async with asyncio.timeout(self.cfg.accept_timeout_s):
-                        request = await read_header(ch, StateRequest, SMALL_HEADER_BYTES)
+                        request = await read_header(ch, StateRequest, STATE_REQUEST_BYTES)
                 except WireError as e:
                     return await self._reply(ch, e.code, str(e))
                 except asyncio.IncompleteReadError:
@@ -147,6 +154,10 @@ class StateServer:
                 me = self.p2p.peer_id.to_base58()
                 if not proof_ok(self.swarm_key, request.auth, STATE_CALL, joiner, me):
                     return await self._reply(ch, Code.NOT_AUTHORIZED, "no valid proof of this swarm's key")
+                async with asyncio.timeout(self.cfg.accept_timeout_s):
+                    member = await self.admit(info.peer_id, request.member)
+                if not member:
+                    return await self._reply(ch, Code.NOT_MEMBER, "you are not a live member of this run")
                 if request.fingerprint != self.fingerprint:
                     return await self._reply(ch, Code.BAD_FINGERPRINT, "fingerprint differs from the donor's")
                 last = self._served_at.get(joiner)
@@ -220,8 +231,8 @@ def _reply_cap(specs: list[TensorSpec]) -> int:
 
 async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorSpec],
                          outer_specs: list[TensorSpec] | None, fingerprint: str, cfg: StateTransferConfig,
-                         swarm_key: bytes | None = None, hints_in: Callable[..., None] | None = None
-                         ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+                         swarm_key: bytes | None = None, hints_in: Callable[..., None] | None = None,
+                         member: WireMember | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
     ch: Channel | None = None
     me, them = p2p.peer_id.to_base58(), donor.to_base58()
     try:
@@ -231,7 +242,7 @@ async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorS
                 ch = Channel.take_over(reader, writer)
                 await ch.write(encode_header(StateRequest(
                     protocol_version=PROTOCOL_VERSION, fingerprint=fingerprint,
-                    auth="" if swarm_key is None else stream_proof(swarm_key, STATE_CALL, me, them))))
+                    auth="" if swarm_key is None else stream_proof(swarm_key, STATE_CALL, me, them), member=member)))
                 reply = await read_header(ch, StateReply, _reply_cap(specs + (outer_specs or [])))
             if hints_in is not None and reply.code != int(Code.NOT_MEMBER):
                 hints_in(them, from_wire(reply.peers))
@@ -271,7 +282,8 @@ class StateDownloadError(Exception):
 async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[SpecLike], fingerprint: str,
                          cfg: StateTransferConfig, namespace: str, *,
                          outer_specs: Sequence[SpecLike] | None = None, swarm_key: bytes | None = None,
-                         hints_in: Callable[..., None] | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+                         hints_in: Callable[..., None] | None = None, member: WireMember | None = None
+                         ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """The state of the first donor (in the given order) that delivers a verified one: (metadata, tensors).
 
     `tensors` are the parameters (matching `specs`) followed, when the donor served outer state and `outer_specs`
@@ -285,7 +297,7 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
     pending = list(donors)
     while pending:
         busy = await _try_donors(p2p, pending, namespace, want, want_outer, fingerprint, cfg, failures, swarm_key,
-                                 hints_in)
+                                 hints_in, member)
         if isinstance(busy, tuple):
             return busy
         # a BUSY donor serves another joiner or takes our snapshot at its next round boundary: ask it again (the
@@ -298,15 +310,15 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
 
 async def _try_donors(p2p: P2P, donors: Sequence[PeerID], namespace: str, want: list[TensorSpec],
                       want_outer: list[TensorSpec] | None, fingerprint: str, cfg: StateTransferConfig,
-                      failures: list[str], swarm_key: bytes | None, hints_in: Callable[..., None] | None = None
-                      ) -> tuple[dict[str, Any], list[torch.Tensor]] | list[PeerID]:
+                      failures: list[str], swarm_key: bytes | None, hints_in: Callable[..., None] | None = None,
+                      member: WireMember | None = None) -> tuple[dict[str, Any], list[torch.Tensor]] | list[PeerID]:
     """One pass over the donors: the first verified state, else the donors that answered BUSY."""
     busy = []
     for donor in donors:
         t0 = time.monotonic()
         try:
             metadata, tensors = await _download_from(p2p, donor, handler_name(namespace), want, want_outer,
-                                                     fingerprint, cfg, swarm_key, hints_in)
+                                                     fingerprint, cfg, swarm_key, hints_in, member)
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
             code = e.code.name if isinstance(e, WireError) else ("TIMEOUT" if isinstance(e, TimeoutError) else
                                                                    "FAILED")

@@ -37,7 +37,7 @@ class FakeDHT:
             entries[subkey] = (value, expiration)
         return True
 
-    async def get(self, key, latest=True, return_future=True):
+    async def get(self, key, latest=True, return_future=True, **kwargs):
         self.gets.append(key)
         now = time.time()
         entries = {k: ValueWithExpiration(v, e) for k, (v, e) in self.data.get(key, {}).items() if e > now}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import math
 import re
 from collections import OrderedDict
@@ -30,7 +29,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
-from gasloc.peer.swarm.membership import PeerRecord, make_validators, peer_id_of
+from gasloc.peer.swarm.membership import PeerRecord, make_validators, peer_id_of, record_digest
 from gasloc.protocol.buckets import MAX_LEVEL, bucket_of
 from gasloc.protocol.messages import WireMember
 
@@ -66,12 +65,11 @@ class Admission:
             return None, "record is not in the caller's bucket"
         if not math.isfinite(member.expiration) or member.expiration <= now:
             return None, "record expired"
-        digest = hashlib.sha256(b"\0".join((member.key.encode(), subkey, value, repr(member.expiration).encode())))
-        cache_key = digest.digest()
+        record = DHTRecord(DHTID.generate(source=member.key).to_bytes(), MSGPackSerializer.dumps(subkey), value,
+                           member.expiration)
+        cache_key = record_digest(record)
         rec = self._cache.get(cache_key)
         if rec is None:
-            record = DHTRecord(DHTID.generate(source=member.key).to_bytes(), MSGPackSerializer.dumps(subkey), value,
-                               member.expiration)
             self.verified += 1
             try:
                 if not self.validator.validate(record):

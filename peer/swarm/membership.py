@@ -157,6 +157,17 @@ def bucket_key(run_id: str, level: int, bucket: int) -> str:
     return f"{run_id}_m{level}_{bucket}"
 
 
+def record_digest(record: DHTRecord) -> bytes:
+    """sha256 of a DHT record's bytes (key, subkey, value, expiration), length-prefixed so that no two records
+    share one: the key of every cache of record checks (_CachedChecks here, admission.py's of inline records)."""
+    h = hashlib.sha256(record.key)
+    for part in (record.subkey or b"", record.value):
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    h.update(repr(record.expiration_time).encode())
+    return h.digest()
+
+
 VALIDATION_CACHE = 8192   # records whose check result a DHT node keeps (a few buckets' worth, many times over)
 
 
@@ -168,12 +179,7 @@ class _CachedChecks:
 
     def _cached(self, record, check) -> bool:
         cache = self.__dict__.setdefault("_checked", OrderedDict())
-        h = hashlib.sha256(record.key)
-        for part in (record.subkey or b"", record.value):
-            h.update(len(part).to_bytes(8, "big"))
-            h.update(part)
-        h.update(repr(record.expiration_time).encode())
-        k = h.digest()
+        k = record_digest(record)
         ok = cache.get(k)
         if ok is None:
             ok = cache[k] = bool(check(record))

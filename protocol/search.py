@@ -29,7 +29,8 @@ Rules (their reasons are in protocol/partners.py):
   keep waiting for its call;
 - pick among ready peers not in backoff, passing over our recent partners (while someone else is due within the
   first half of the window), and (with slower_link_ratio, in a "picky" search) peers on much slower links, for the
-  first half of the window;
+  first half of the window; the other searches (slower_link_open_share) serve those slower peers first: while one
+  is ready in the first half, it is the one called, and other callers are answered BUSY;
 - BUSY from the partner: a short cooldown for it and a random pause for us (two peers that called each other at
   once both got BUSY); BUSY from our own side (our offer was taken meanwhile) costs the partner nothing;
   a timeout, failure or rejection: exponential backoff for that partner;
@@ -162,10 +163,15 @@ class PartnerPolicy:
         return self.trust is not None and self.trust.distrusted(peer, now)
 
     def declines(self, peer: str, rate: float, own_link: float, now: float) -> bool:
-        """A caller arrives: answer it BUSY because its link is much slower than ours (only during the first half
-        of a picky search)? Remembered as passed over."""
+        """A caller arrives: answer it BUSY? In the first half of a picky search, because its link is much slower
+        than ours (remembered as passed over); in the first half of a serving one, because it is not one of the
+        slower peers that were ready when we last looked (we are calling one of them)."""
         s = self.search
-        if s is None or not s.slower({peer: rate}, own_link, now):
+        if s is None:
+            return False
+        if not s.picky:
+            return bool(s.serving) and peer not in s.serving and now - s.start < s.window_s / 2
+        if not s.slower({peer: rate}, own_link, now):
             return False
         s.passed.add(peer)
         return True
@@ -180,6 +186,8 @@ class Search:
     passed: set[str] = field(default_factory=set)  # ready peers passed over for being on much slower links
     gone: set[str] = field(default_factory=set)    # answered that their offer is used or withdrawn: done with
     #                                                this round (paired or solo); stale listings still show them ready
+    serving: set[str] = field(default_factory=set)  # a search that is not picky: the ready peers on much slower
+    #                                                 links, served first (as of our last look)
 
     def __post_init__(self) -> None:
         r = self.policy.rules
@@ -190,8 +198,10 @@ class Search:
         self.window_s = r.partner_deadline_s if self.window_s is None else max(self.window_s, r.partner_deadline_s)
 
     def slower(self, rates: Mapping[str, float], own_link: float, now: float) -> set[str]:
-        if not self.picky:
-            return set()
+        """The peers a picky search passes over now (empty for the others)."""
+        return self.much_slower(rates, own_link, now) if self.picky else set()
+
+    def much_slower(self, rates: Mapping[str, float], own_link: float, now: float) -> set[str]:
         return slower_peers(own_link, rates, now - self.start, self.window_s, ratio=self.policy.rules.slower_link_ratio)
 
     def next(self, sight: Sight, now: float) -> Action:
@@ -226,6 +236,13 @@ class Search:
         avoid |= slower | self.gone
         if explore:  # only unmeasured peers until one of them is ready or the first half is over
             avoid |= set(others) - explore
+        if not self.picky and r.slower_link_ratio > 0:
+            # a serving search (slower_link_open_share): the slow peers the picky ones pass over are called first.
+            # Merely open, it served nobody: the fast peers of the e2e swarm (2 fast, 1 slow) become ready
+            # together and paired at once, and the slow one got BUSY in 4 of its 6 rounds (fast-slow 1.5 of 15).
+            self.serving = (self.much_slower(rates, sight.own_link, now) & sight.ready.keys()) - self.gone
+            if self.serving:  # even one that was a recent partner: serving them is what this search is for
+                avoid = (avoid - self.serving) | (set(others) - self.serving)
         trust = None
         if p.trust is not None:  # a repeat offender is not called until its trust recovers, and picked less often
             trust = p.trust.weights(sight.ready, now)

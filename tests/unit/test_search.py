@@ -161,6 +161,26 @@ def test_open_share_makes_some_searches_open_to_every_link():
     assert not any(policy(RULES).begin(0.0).picky for _ in range(10))  # ratio 0: the rule is off
 
 
+def test_a_search_that_is_not_picky_serves_the_slower_peers_first():
+    """2 fast peers that become ready together and 1 slow one: the searches left open serve the slow peer (called
+    first even though it was our last partner, other callers declined) for the first half, then anyone."""
+    p = policy(SearchRules(partner_deadline_s=10.0, slower_link_ratio=3.0, slower_link_open_share=1.0), avoid_recent=3)
+    p.succeeded("slow")
+    s = p.begin(0.0)
+    assert not s.picky
+    see = dict(rates={"fast": 30e6, "slow": 3e6}, own_link=30e6)
+    assert s.next(sight({"fast", "slow"}, {"fast", "slow"}, **see), 0.1) == Call("slow")
+    assert s.serving == {"slow"}
+    assert p.declines("fast", 30e6, 30e6, 0.2) and not p.declines("slow", 3e6, 30e6, 0.2)
+    assert not p.declines("fast", 30e6, 30e6, 6.0)  # second half: anyone
+    s.called("slow", "busy", 0.3, gone=True)  # it paired with someone else: the fast one is fair game again
+    assert s.next(sight({"fast", "slow"}, {"fast", "slow"}, **see), 0.4) == Call("fast")
+    assert not s.serving and not p.declines("fast", 30e6, 30e6, 0.5)
+    # no slow peer ready: nothing to serve, anyone ready is taken
+    s2 = p.begin(1.0)
+    assert s2.next(sight({"fast", "slow"}, {"fast"}, **see), 1.1) == Call("fast")
+
+
 def test_bandwidth_weighting_prefers_the_faster_announcement():
     rules = SearchRules(bandwidth_weighting=True)
     p = policy(rules, seed=5, avoid_recent=0)

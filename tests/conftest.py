@@ -104,7 +104,10 @@ _watch: SessionWatch | None = None
 
 def pytest_sessionstart(session):
     global _watch
-    _watch = SessionWatch()
+    # under pytest-xdist (make test runs the unit and in-process tests on two workers) the controller watches: its
+    # tree holds the workers' children, and a worker that cleaned up its own leaks would hide them from it
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        _watch = SessionWatch()
 
 
 @pytest.hookimpl(tryfirst=True)

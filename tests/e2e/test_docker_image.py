@@ -214,7 +214,8 @@ def test_image_builds_and_compose_swarm_trains_stops_and_resumes(engine, tmp_pat
         rounds = wait_until(rounds_done, 480, f"{ROUNDS} rounds of each peer", every_s=3)
         for p in peers:
             ok = sum(r.get("outcome") == "ok" for r in rounds[p][:ROUNDS])
-            assert ok >= MIN_OK, (p, [r.get("outcome") for r in rounds[p][:ROUNDS]])
+            assert ok >= MIN_OK, (p, [(r.get("outcome"), r.get("detail")) for r in rounds[p][:ROUNDS]],
+                                  sh("docker", "logs", ids[p], check=False).stderr[-6000:])
         # every container healthy by its own check (the peers' first runs 30 s after their start)
         wait_until(lambda: all(health(c) == "healthy" for c in ids.values()), 120, "all three healthy",
                    every_s=3)

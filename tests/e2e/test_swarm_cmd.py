@@ -26,7 +26,7 @@ def assert_png(path):
 def test_swarm_trains_summarizes_plots_and_cleans_up(harness):
     run_dir = harness.run_dir / "demo"
     # a GASLOC_* variable for the peers only: the swarm's bootstrap must not see it (it would reject the key)
-    harness.spawn("swarm", "swarm", "--peers", "2", "--duration", "40", "--run-dir", run_dir,
+    harness.spawn("swarm", "swarm", "--peers", "2", "--duration", "25", "--run-dir", run_dir,
                   env={"GASLOC_RUN__EVAL_EVERY_ROUNDS": "1"})
     assert harness.wait_exit("swarm", 240) == 0, harness.log("swarm")
     out = harness.child("swarm").stdout_path.read_text()

@@ -32,11 +32,25 @@ class ClockConfig(BaseModel):
     allreduce_setup_s: float = Field(0.0, ge=0, description="fixed cost of every all-reduce before any byte moves "
                                      "(hivemind's matchmaking: bench/hetero.py runs DiLoCo with "
                                      "diloco.matchmaking_time_s = 5)")
+    link_efficiency: float = Field(1.0, gt=0, le=1, description="share of the nominal bandwidth a transfer "
+                                   "gets (pair exchanges and all-reduces alike); bench/hetero.py's measured "
+                                   "exchanges ran at 0.7 of its tbf rates (docs/sim-results.md)")
+    allreduce_efficiency: float | None = Field(None, gt=0, le=1, description="the same for DiLoCo's all-reduce "
+                                               "on the live schedule (sim/groups.py; bench/hetero.py: 0.69, hivemind's "
+                                               "butterfly all-reduce); unset: link_efficiency")
     match_timeout_s: float | None = Field(None, ge=0, description="schedule async: how long a ready worker waits "
                                           "for a partner before a solo round; unset: until a neighbour is ready")
 
     def base_link(self) -> Link:
         return Link(self.seconds_per_step, self.bandwidth_mbps * 1e6, self.latency_ms / 1e3)
+
+    def effective(self, links: list[Link], allreduce: bool = False) -> list[Link]:
+        """The links as transfers see them: bandwidth times link_efficiency (allreduce_efficiency for DiLoCo's
+        all-reduce where set)."""
+        eff = self.allreduce_efficiency if allreduce and self.allreduce_efficiency is not None else self.link_efficiency
+        if eff == 1.0:
+            return links
+        return [Link(x.seconds_per_step, x.bandwidth_bps * eff, x.latency_s) for x in links]
 
 
 class SearchConfig(BaseModel):
@@ -59,6 +73,19 @@ class SearchConfig(BaseModel):
                                      "our best; 0 = off (must be above 1 when set)")
     slower_link_open_share: float = Field(0.25, ge=0, le=1, description="with slower_link_ratio: this share of "
                                           "searches stays open to every link")
+    matchmaking_time_s: float | None = Field(None, gt=0, description="schedule live, DiLoCo: run hivemind's "
+                                             "matchmaking as the live peer does (diloco.matchmaking_time_s; "
+                                             "sim/groups.py): a group closes when it has the opener's target "
+                                             "(1 + the peers it lists) or this long after it opened; unset: "
+                                             "every round waits for every worker (lock-step)")
+    discovery_s: float = Field(0.0, ge=0, description="schedule live: for this long after the start, each worker "
+                               "lists only a random share (discovery_share) of the others, as live peers whose "
+                               "listings are still filling; 0: everyone from the start")
+    allreduce_jitter: float = Field(0.0, ge=0, le=0.5, description="schedule live, DiLoCo with "
+                                    "matchmaking_time_s: coefficient of variation of an all-reduce's duration "
+                                    "(uniform around the clock's time; bench/hetero.py measured 0.10)")
+    discovery_share: float = Field(1.0, ge=0, le=1, description="with discovery_s: the chance that a worker lists "
+                                   "a given other worker before discovery_s (one draw per worker pair and seed)")
 
     @model_validator(mode="after")
     def _check(self) -> SearchConfig:

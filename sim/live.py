@@ -15,7 +15,8 @@ What each worker knows is what a live peer knows: `live` = its neighbours in the
 `ready` = those announcing "exchanging" (searching, calling or exchanging: the listing shows the state, not whether
 the peer is free) with the link estimate they publish; `rates` = its own measured bytes/s of the last exchange with
 each peer; `own_link` = max(latest rate, LINK_DECAY * previous estimate), as peer/daemon.py keeps it. The listing
-is exact (the live one is up to 0.3 s stale) and calls cost only latency besides the transfer.
+is exact (the live one is up to 0.3 s stale), except that with search.discovery_s the first seconds' listings are
+partial (sim/groups.py), and calls cost only latency besides the transfer.
 
 Barrier algorithms (DiLoCo's all-reduce, the complete topology) and `local` have no partner search: a live DiLoCo
 round waits for every peer, which is what sim/lockstep.py does; the runner uses it for them.
@@ -34,6 +35,7 @@ from gasloc.protocol.partners import Backoff
 from gasloc.protocol.search import Call, Finish, PartnerPolicy, Search, SearchRules, Sight, Wait
 from gasloc.sim.clock import Link, pair_seconds
 from gasloc.sim.engine import Engine, Trainer
+from gasloc.sim.groups import start_listings
 
 LINK_DECAY = 0.95  # peer/daemon.py's decay of the own-link estimate per exchange
 COMPUTE, SEARCH, CALLING, EXCHANGE = "compute", "search", "calling", "exchange"
@@ -43,9 +45,11 @@ class LiveEngine(Engine):
     """Drives a Trainer with one PartnerPolicy per worker. Iterate `run()`: it yields the time of each event."""
 
     def __init__(self, links: Sequence[Link], edges: Sequence[Edge], *, rules: SearchRules, backoff: Backoff,
-                 avoid_recent: int, seed: int, **common):
+                 avoid_recent: int, seed: int, discovery_s: float = 0.0, discovery_share: float = 1.0, **common):
         super().__init__(links, **common)
         self.rules = rules
+        # the listing at the start: until discovery_s each worker lists only some of the others (sim/groups.py)
+        self.discovery_s, self.early = discovery_s, start_listings(self.k, discovery_share, seed)
         self.neighbours: list[list[int]] = [[] for _ in range(self.k)]
         for a, b in edges:
             self.neighbours[a].append(b)
@@ -96,6 +100,8 @@ class LiveEngine(Engine):
     def _sight(self, i: int) -> Sight:
         names, state = self.names, self.state
         nb = self.neighbours[i]
+        if self.now < self.discovery_s:
+            nb = [j for j in nb if j in self.early[i]]
         return Sight(live=[names[j] for j in nb],
                      ready={names[j]: self.own_link[j] for j in nb if state[j] != COMPUTE},
                      rates=self.rates[i], own_link=self.own_link[i],

@@ -21,6 +21,7 @@ from gasloc.sim.batched import BatchedTrainer
 from gasloc.sim.clock import build_links
 from gasloc.sim.config import SimConfig
 from gasloc.sim.engine import AsyncEngine
+from gasloc.sim.groups import GroupEngine
 from gasloc.sim.live import LiveEngine
 from gasloc.sim.lockstep import LockstepEngine
 from gasloc.sim.trainer import SimTrainer
@@ -53,6 +54,7 @@ def run(cfg: SimConfig, progress: Progress | None = None) -> dict:
 def _run(cfg: SimConfig, progress: Progress | None) -> dict:
     k = cfg.workers
     links = build_links(cfg.clock.profile, k, cfg.clock.base_link())
+    moving = cfg.clock.effective(links)  # what the engines' transfers see (the result reports the nominal links)
     if cfg.batched:
         trainer: SimTrainer = BatchedTrainer(cfg)
     else:
@@ -60,24 +62,29 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
     scale = cfg.clock.nominal_params / trainer.num_params if cfg.clock.nominal_params else 1.0
     edges = graph_edges(cfg.topology, k)
     weights = bandwidth_weights(k, [x.bandwidth_bps for x in links], edges) if cfg.bandwidth_weighted else None
+    sc = cfg.search
     common = dict(barrier=cfg.barrier, communicates=cfg.outer.communicates,
                   steps_for=lambda i: steps_this_round(cfg.inner, links[i].seconds_per_step),
                   wire_bytes=lambda numel: numel * cfg.clock.bytes_per_param * scale,
                   rng=random.Random(cfg.seed), num_partners=cfg.num_partners, weights=weights,
                   allreduce_setup_s=cfg.clock.allreduce_setup_s)
-    engine: LockstepEngine | AsyncEngine | LiveEngine
-    if cfg.schedule == "live" and cfg.outer.communicates and not cfg.barrier:
-        sc = cfg.search
+    engine: LockstepEngine | AsyncEngine | LiveEngine | GroupEngine
+    if cfg.schedule == "live" and cfg.outer.algorithm == "diloco" and sc.matchmaking_time_s is not None:
+        engine = GroupEngine(cfg.clock.effective(links, allreduce=True), matchmaking_s=sc.matchmaking_time_s, discovery_s=sc.discovery_s,
+                             discovery_share=sc.discovery_share, jitter=sc.allreduce_jitter, seed=cfg.seed,
+                             **common)
+    elif cfg.schedule == "live" and cfg.outer.communicates and not cfg.barrier:
         rules = SearchRules(partner_deadline_s=sc.partner_deadline_s, retry_interval_s=sc.retry_interval_s,
                             exchange_timeout_s=sc.exchange_timeout_s, bandwidth_weighting=cfg.bandwidth_weighted,
                             slower_link_ratio=sc.slower_link_ratio, slower_link_open_share=sc.slower_link_open_share)
-        engine = LiveEngine(links, edges, rules=rules,
+        engine = LiveEngine(moving, edges, rules=rules,
                             backoff=Backoff(sc.min_backoff_s, sc.max_backoff_s, sc.busy_cooldown_s),
-                            avoid_recent=sc.avoid_recent_partners, seed=cfg.seed, **common)
+                            avoid_recent=sc.avoid_recent_partners, seed=cfg.seed, discovery_s=sc.discovery_s,
+                            discovery_share=sc.discovery_share, **common)
     elif cfg.schedule in ("lockstep", "live"):
-        engine = LockstepEngine(links, cfg.topology, overlap=cfg.outer.overlap, **common)
+        engine = LockstepEngine(moving, cfg.topology, overlap=cfg.outer.overlap, **common)
     else:
-        engine = AsyncEngine(links, edges, match_timeout_s=cfg.clock.match_timeout_s, **common)
+        engine = AsyncEngine(moving, edges, match_timeout_s=cfg.clock.match_timeout_s, **common)
     tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
     total = k * cfg.rounds
     evals: list[dict] = []
@@ -124,8 +131,9 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
         "rounds_per_worker": [w.rounds for w in ws],
         "inner_steps_per_worker": [w.steps for w in ws],
         "idle_s_per_worker": [w.idle_s for w in ws],
-        "search": engine.stats if isinstance(engine, LiveEngine) else None,  # calls, busy, paired/solo rounds
-        "pairs_by_links": _pairs_by_links(engine),
+        # live: calls, busy, paired/solo rounds; groups: all-reduce sizes, solo rounds
+        "search": engine.stats if isinstance(engine, LiveEngine | GroupEngine) else None,
+        "pairs_by_links": _pairs_by_links(engine, cfg.clock.link_efficiency),
         # batched: how many workers' inner phases ran per batch (mean, max), i.e. how much the batching bought
         "batching": _batching(trainer),
     }
@@ -138,8 +146,10 @@ def _batching(trainer) -> dict | None:
     return {"phases": len(sizes), "mean_workers": sum(sizes) / len(sizes), "max_workers": max(sizes)}
 
 
-def _pairs_by_links(engine) -> dict[str, int] | None:
-    """Schedule live, few link classes: completed exchanges by the partners' Mbit/s ("3/30": slow with fast)."""
+def _pairs_by_links(engine, efficiency: float) -> dict[str, int] | None:
+    """Schedule live, few link classes: completed exchanges by the partners' nominal Mbit/s ("3/30": slow with
+    fast)."""
     if not isinstance(engine, LiveEngine) or len({x.bandwidth_bps for x in engine.links}) > 4:
         return None
-    return {f"{a / 1e6:g}/{b / 1e6:g}": n for (a, b), n in sorted(engine.pairs.items())}
+    return {f"{round(a / efficiency / 1e6, 3):g}/{round(b / efficiency / 1e6, 3):g}": n
+            for (a, b), n in sorted(engine.pairs.items())}

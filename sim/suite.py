@@ -194,10 +194,10 @@ def overlap_suite(name: str, *, workers: int, base: dict, run: dict, notes: list
     return Suite(name, base, runs, claims, notes)
 
 
-# bench/hetero.py's measured GASLoC/DiLoCo time-to-target ratios at the current defaults (docs/hetero-results.md,
-# invocations with gamma 0.7): bandwidth-aware N-S 0.58, 0.47, 0.49, 0.38, 0.40, 0.42; uniform P-S 0.62, 0.42, 0.52,
-# 0.46
-BENCH_RATIOS = {"gasloc-bw": [0.58, 0.47, 0.49, 0.38, 0.40, 0.42], "gasloc": [0.62, 0.42, 0.52, 0.46]}
+# bench/hetero.py's measured GASLoC/DiLoCo time-to-target ratios with the current code (docs/hetero-results.md,
+# invocations W-Y of 2026-12-01, after commit e21d316's serving searches): bandwidth-aware 0.27, 0.55, 0.24; uniform
+# 0.28, 0.60, 0.27
+BENCH_RATIOS = {"gasloc-bw": [0.27, 0.55, 0.24], "gasloc": [0.28, 0.60, 0.27]}
 BENCH_TARGET_MARGIN = 0.02  # bench/hetero.py --target-margin's default
 
 
@@ -392,13 +392,19 @@ PAPER_BASE = {"model.preset": "tiny", "model.seq_len": 64, "data.batch_size": 4,
 OVERLAP_BASE = {**PAPER_BASE, "schedule": "lockstep"}
 
 # bench/hetero.py's setup (its PEER_TOML and netlab links): 6 peers, even ones on 30 Mbit and odd ones on 3 Mbit,
-# tiny preset in fp32 on the wire (885,888 numbers = 3.5 MB), H = 20, 0.13 s per inner step (the bench measured
-# 0.12-0.14 on its loaded machine), partner deadline 10 s, exchange timeout 60 s, 180 s per run, DiLoCo's
-# matchmaking 5 s; every peer evaluates after every round
+# tiny preset in fp32 on the wire (885,888 numbers = 3.5 MB), H = 20, partner deadline 10 s, exchange timeout 60 s,
+# 180 s per run, DiLoCo's matchmaking 5 s; every peer evaluates after every round. The clock's numbers are the bench's
+# own, measured by `bench/hetero_calibrate.py` over the invocations the claims compare with (W-Y, 2026-12-01, 9 runs;
+# docs/sim-results.md): 0.061 s per inner step; transfers over a slow link at 0.72 of the tbf rate (pair exchanges;
+# 0.67 for hivemind's all-reduce); DiLoCo as the live peer runs it (sim/groups.py): hivemind's matchmaking,
+# all-reduce durations with a coefficient of variation of 0.12, and listings that hold 0.36 of the others for the
+# first 3.8 s
 HETERO_BASE = {"workers": 6, "model.preset": "tiny", "model.seq_len": 64, "data.batch_size": 4,
                "data.val_batches": 4, "inner.inner_steps": 20, "inner.warmup_steps": 20, "inner.lr": 2e-3,
-               "clock.profile": "hetero-bench", "clock.seconds_per_step": 0.13, "clock.latency_ms": 0.5,
-               "clock.bytes_per_param": 4.0, "clock.nominal_params": 885_888, "clock.allreduce_setup_s": 5.0,
+               "clock.profile": "hetero-bench", "clock.seconds_per_step": 0.061, "clock.latency_ms": 0.5,
+               "clock.bytes_per_param": 4.0, "clock.nominal_params": 885_888, "clock.link_efficiency": 0.72,
+               "clock.allreduce_efficiency": 0.67, "search.matchmaking_time_s": 5.0, "search.allreduce_jitter": 0.12,
+               "search.discovery_s": 3.8, "search.discovery_share": 0.36,
                "search.partner_deadline_s": 10.0, "search.exchange_timeout_s": 60.0, "rounds": 200,
                "eval_every": 1, "max_sim_time_s": 180.0}
 
@@ -452,7 +458,8 @@ SUITES: dict[str, Suite] = {
     "hetero": hetero_suite(
         "hetero", base=HETERO_BASE, seeds=[0, 1, 2],
         notes=["bench/hetero.py's setup on the simulator: 6 workers, 30 vs 3 Mbit, tiny preset, fp32 on the wire, "
-               "H = 20, 0.13 s per step, 180 s of virtual time per run; the live schedule; three seeds"]),
+               "H = 20, 180 s of virtual time per run; the live schedule, DiLoCo with hivemind's matchmaking; the "
+               "clock's numbers measured on the bench by bench/hetero_calibrate.py; three seeds"]),
     "hetero-smoke": hetero_suite(
         "hetero-smoke", base={**HETERO_BASE, "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
                               "inner.inner_steps": 3, "max_sim_time_s": 30.0},

@@ -38,6 +38,7 @@ from gasloc.peer.swarm.membership import (
     peer_id_of,
     status_view,
 )
+from gasloc.peer.swarm.signed_hints import SignedRecords
 from gasloc.peer.swarm.swarmkey import load_swarm_key
 from gasloc.protocol.auth import SwarmKeyError
 from gasloc.protocol.buckets import HintBook, PeerHint, listing_interval_s, pick_hints
@@ -89,6 +90,7 @@ class Network:
         self._entered: dict[str, tuple[str, int, float]] = {}  # peer -> (state, round, DHT time it entered them)
         self.records: dict[str, PeerRecord] = {}   # every record read (any configuration), until its expiration
         self.hints = HintBook()                    # peer exchange: who others told us is live (protocol/buckets.py)
+        self.signed = SignedRecords()              # signed hints: records to pass on, and handed to us (unchecked)
         self._not_members: dict[str, float] = {}   # caller -> when its lookup found no record (monotonic)
         self._search_listings = 0                  # listings asked for during the partner search in progress
         self.legacy_seen: set[str] = set()         # peers of the older single-key layout, reported once each
@@ -232,6 +234,7 @@ class Network:
                                   on_detached=self._via_shrank)
         self.aio.run(self.relay.start(), timeout)
         self.hints = HintBook(self.peer_id)
+        self.membership.signed_sink = self.signed.keep   # our bucket reads' records, with their signatures
         self._check_layout(self.aio.run(self.membership.legacy_peers(), timeout), starting=True)
         self._take(self.aio.run(self.membership.probe(), timeout))
         self.relay.volunteer = net.forwarding and not self.private
@@ -526,6 +529,15 @@ class Network:
         records = {pid: (r.state, r.round) for pid, r in self.live.items()}
         return pick_hints(records, self.hints, time.monotonic(), exclude=(peer, self.peer_id))
 
+    def members_for(self, peer: str, hints) -> tuple[WireMember, ...]:
+        """Signed hints: the signed records we hold of the peers `hints` name (ready ones come first in hints),
+        for a reply to `peer`, which checks each before it calls that peer (signed_hints.py)."""
+        return self.signed.attach([h.peer_id for h in hints if h.peer_id != peer], get_dht_time())
+
+    def members_heard(self, peer: str, members) -> None:
+        """Signed records `peer` handed us with its hints: kept unchecked until we are about to call one."""
+        self.signed.offered(peer, members)
+
     def heard(self, peer: str, hints, *, state: str | None = None, round: int = 0) -> None:
         """Hints from `peer` (a member: its header came after the membership check); with `state`, what we saw
         of `peer` itself (a caller is searching, so ready)."""
@@ -557,6 +569,7 @@ class Network:
             log.debug("caller_refused peer=%s why=%s", pid, why)
             return False
         self.membership.expirations[pid] = max(self.membership.expirations.get(pid, 0.0), member.expiration)
+        self.signed.keep(pid, member)   # checked: we may pass it on with our hints of this caller
         self._take({pid: rec})
         return self.is_member(peer_id)
 
@@ -568,6 +581,15 @@ class Network:
         pid = str(peer_id)
         if self.is_member(peer_id):
             return True
+        if self.signed.has_offer(pid) and self.admission is not None:
+            # a peer hinted at with its signed record: check the record (one RSA verification) instead of a get
+            rec, _why = self.signed.check(pid, self.admission, get_dht_time())
+            if rec is not None:
+                self.membership.expirations[pid] = max(self.membership.expirations.get(pid, 0.0),
+                                                       self.signed.kept(pid).expiration)
+                self._take({pid: rec})
+                if self.is_member(peer_id):
+                    return True
         now = time.monotonic()
         if now - self._not_members.get(pid, -1e9) < NOT_MEMBER_CACHE_S:
             return False

@@ -95,6 +95,7 @@ class Network:
         self._search_listings = 0                  # listings asked for during the partner search in progress
         self.legacy_seen: set[str] = set()         # peers of the older single-key layout, reported once each
         self._bytes_reported = self._gets_reported = 0   # membership reads already in an earlier round's metrics
+        self._hints_reported = [0, 0]              # signed hints used / refused, already in an earlier round's
         self.peer_id, self.maddrs, self.fingerprint = "", [], ""
         self.signer = None
         self._tasks: list = []
@@ -611,8 +612,11 @@ class Network:
             return {}
         read, self._bytes_reported = m.bytes_read - self._bytes_reported, m.bytes_read   # since the last round
         gets, self._gets_reported = m.gets - self._gets_reported, m.gets
+        # signed hints since the last round: handed records checked and used instead of a lookup, and refused
+        used, self._hints_reported[0] = self.signed.accepted - self._hints_reported[0], self.signed.accepted
+        refused, self._hints_reported[1] = self.signed.refused - self._hints_reported[1], self.signed.refused
         return {"swarm_estimate": round(m.estimate.value, 1), "buckets": 1 << m.level, "dht_bytes_read": read,
-                "dht_gets": gets}
+                "dht_gets": gets, "signed_hints_used": used, "signed_hints_refused": refused}
 
     # ------------------------------------------------------------------ state transfer
     # A joiner's snapshot is taken only when one asks: a copy of the parameters and the outer state to the CPU is

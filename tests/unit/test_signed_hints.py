@@ -160,4 +160,7 @@ def test_the_network_calls_a_hinted_peer_on_its_handed_record_without_a_dht_look
         # and we pass it on to whoever we hint it to
         assert net.members_for("someone", [PeerHint(hinted.peer_id, "exchanging", 4)]) == (hinted.inline,)
         assert net.members_for(hinted.peer_id, [PeerHint(hinted.peer_id, "exchanging", 4)]) == ()
+        m = net.membership_metrics()                    # the round's metrics count both, once
+        assert (m["signed_hints_used"], m["signed_hints_refused"]) == (1, 1)
+        assert net.membership_metrics()["signed_hints_refused"] == 0
     asyncio.run(main())

@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 LIST_PERIOD_S = 10.0  # the slow background refresh, one bucket (a search lists more, with backoff: gossip.py)
 LEGACY_CHECK_S = 30.0  # how often the single key of the older layout is checked for peers of an older gasloc
 NOT_MEMBER_CACHE_S = 5.0  # a caller whose record we did not find is not looked up again for this long
-
 REPROBE_CHECK_S = 5.0  # how often a running peer with reachability auto looks at its dialable addresses (one
                        # control call to its p2pd); at most this late it notices a change (network.reprobe_every_s)
 JOIN_RELIST_S = 0.5  # a joiner whose first listing was empty lists again at this pace (swarm.join_listing_wait_s)

@@ -11,8 +11,10 @@ key, parsed by `parse_listing` in both cases; peer exchange is the peer's `HintB
 What is modelled, not run: the members themselves. Each has a fixed record: "exchanging" (ready) for
 round(`--ready-share` x N) of them, drawn at random, else "training". A call to a ready member finds it free with
 probability 1 - `--busy-share` (it may have paired meanwhile), after `--call-s` (a handshake); a busy member
-answers with the hints a peer
-holding two buckets of records would send (`pick_hints` over them). The callee's membership check of the searcher
+answers with the hints a peer holding two buckets of records would send (`pick_hints` over them) and, with
+`--signed-hints` (the live peer), the signed records of the first 4 of them, as its bucket reads kept them
+(`SignedRecords.attach`); the searcher checks such a record with the peer's `Admission` before it calls that peer,
+instead of looking it up (`finds`). The callee's membership check of the searcher
 is real: by default (`--callee-check inline`) the searcher's own signed record, as its requests carry it, checked
 by the peer's `Admission` (one per callee, so each callee verifies it once, as a live callee does), on the callee's
 CPU (reported apart: `callee_cpu_ms_per_round`), no DHT read; with `--callee-check lookup`, as before inline
@@ -21,13 +23,14 @@ records, a `find` of the searcher's record in its bucket from another DHT node, 
 One search (one round of a searching peer):
   buckets     list one bucket of our level (the background refresh a round sees); while no ready peer is in
               sight, another bucket after listing_interval_s (0.3 s, doubling); call a ready peer from the
-              listing or from hints (a hinted peer's record is looked up first, one get), until one is free or
-              --deadline-s passes
+              listing or from hints (a hinted peer's handed record is checked first, `hint_checks`; without
+              one it is looked up, one get, `finds`), until one is free or --deadline-s passes
   single-key  the peer before buckets: list the whole key (the first listing of the search), then every 0.3 s
               while nobody ready is free
 Figures per design and N: dht_bytes_per_round (searcher's gets + a lookup callee's check of it, entry_bytes),
-cpu_ms_per_round (CPU of the searcher's DHT process and its p2pd, plus the bench thread's parsing, per search;
-split into dht_cpu_ms, p2pd_cpu_ms, parse_cpu_ms),
+cpu_ms_per_round (CPU of the searcher's DHT process and its p2pd, plus our own process's - the bench thread's
+parsing and checks and hivemind's thread receiving the gets' results - per search; split into dht_cpu_ms,
+p2pd_cpu_ms, parse_cpu_ms; the modelled callees' CPU is apart, callee_cpu_ms),
 partner_found_s_median (over the searches that found one), partner_found_share, and the startup probe's bytes.
 The single key is expected to fail at ~4,000 records (one response over p2pd's 4 MiB message limit): its row
 then carries `error`.
@@ -193,7 +196,7 @@ class Bench:
     async def populate(self, run_id: str, n: int) -> dict[str, str]:
         """N members' records, in both layouts: bucket keys through Membership.announce at the level a converged
         swarm of N holds, and the single key as gasloc before buckets stored it. Returns peer id -> state."""
-        from gasloc.peer.swarm.membership import Membership, entry_bytes, peer_id_of, peers_key
+        from gasloc.peer.swarm.membership import Membership, entry_bytes, peer_id_of, peers_key, signed_member
         from gasloc.protocol.buckets import level_for
 
         level = level_for(n)
@@ -237,6 +240,10 @@ class Bench:
             jobs = failed
         self.store_failures = len(failed)
         self.visible = await self._visible_share(run_id, truth, level)
+        # what a member's bucket reads give it of each record it reads: the signed record, as stored (signed
+        # hints: a busy member's reply carries those of the peers it hints at, signed_hints.py)
+        self.signed = {m.peer_id: signed_member(self.member_signers[i], m._keys()[0], r.dict(), exp)
+                       for i, (m, r) in enumerate(members)}
         return truth
 
     async def _visible_share(self, run_id: str, truth: dict[str, str], level: int, sample: int = 16) -> float:
@@ -263,13 +270,23 @@ class Bench:
         return share
 
     # ------------------------------------------------------------------ one search, bucketed
-    def _callee_hints(self, truth: dict[str, str], by_bucket: dict[int, list[str]], level: int, callee: str):
-        """What a busy member tells us: pick_hints over the records a peer holds (two buckets of its level)."""
+    def _callee_reply(self, truth: dict[str, str], by_bucket: dict[int, list[str]], level: int, callee: str):
+        """What a busy member tells us: pick_hints over the records a peer holds (two buckets of its level), and
+        the signed records of those it names (the live Network.members_for: SignedRecords.attach, at most 4, in
+        the hints' order, ready ones first), as its bucket reads kept them."""
+        from hivemind.utils.timed_storage import get_dht_time
+
+        from gasloc.peer.swarm.signed_hints import SignedRecords
         from gasloc.protocol.buckets import HintBook, bucket_of, pick_hints
 
         mine = {bucket_of(callee, level), self.rng.randrange(1 << level)}
         view = {p: (truth[p], 10) for b in mine for p in by_bucket.get(b, [])}
-        return pick_hints(view, HintBook(callee), time.monotonic(), exclude=(callee,), rng=self.rng)
+        hints = pick_hints(view, HintBook(callee), time.monotonic(), exclude=(callee,), rng=self.rng)
+        held = SignedRecords()
+        for p in view:
+            held.keep(p, self.signed[p])
+        members = held.attach([h.peer_id for h in hints], get_dht_time()) if self.o["signed_hints"] else ()
+        return hints, members
 
     def callee_admits(self, callee: str, me: str, inline) -> tuple[bool, str, float]:
         """The callee's check of our inline record, as the live peer's `Network.admit_caller` runs it (each callee
@@ -288,13 +305,17 @@ class Bench:
 
     async def search_buckets(self, reader, responder, me: str, truth: dict[str, str],
                              by_bucket: dict[int, list[str]], level: int) -> dict:
+        from hivemind.utils.timed_storage import get_dht_time
+
+        from gasloc.peer.swarm.signed_hints import SignedRecords
         from gasloc.protocol.buckets import HintBook, listing_interval_s, merge_view
 
         o = self.o
         book = HintBook(me)
+        handed = SignedRecords()     # what busy members' replies handed us (the live Network.signed)
         view: dict = {}
         tried: set[str] = set()
-        listings = calls = finds = 0
+        listings = calls = finds = hint_checks = 0
         callee_cpu = 0.0
         ready_seen: set[str] = set()
         t0 = time.monotonic()
@@ -315,8 +336,13 @@ class Bench:
             peer = self.rng.choice(cands)
             tried.add(peer)
             if peer not in view:                 # a hinted peer: its record first (the initiator's check)
-                finds += 1
-                rec = await reader.find(peer)
+                rec = None
+                if handed.has_offer(peer):       # its signed record came with the hint (Network.confirm_member)
+                    hint_checks += 1
+                    rec, _why = handed.check(peer, self.searcher_admission, get_dht_time())
+                if rec is None:
+                    finds += 1
+                    rec = await reader.find(peer)
                 if rec is None:
                     continue
                 view[peer] = rec
@@ -336,10 +362,15 @@ class Bench:
             await asyncio.sleep(o["call_s"])
             if truth.get(peer) == "exchanging" and self.rng.random() >= o["busy_share"]:
                 return {"found": True, "s": time.monotonic() - t0, "listings": listings, "calls": calls,
-                        "finds": finds, "callee_cpu_s": callee_cpu, "ready_seen": len(ready_seen)}
-            book.heard(peer, self._callee_hints(truth, by_bucket, level, peer), time.monotonic())
+                        "finds": finds, "hint_checks": hint_checks, "callee_cpu_s": callee_cpu,
+                        "ready_seen": len(ready_seen)}
+            t_model = time.thread_time()         # the callee's side of the reply: its CPU, not ours
+            hints, members = self._callee_reply(truth, by_bucket, level, peer)
+            callee_cpu += time.thread_time() - t_model
+            book.heard(peer, hints, time.monotonic())
+            handed.offered(peer, members)
         return {"found": False, "s": None, "listings": listings, "calls": calls, "finds": finds,
-                "callee_cpu_s": callee_cpu, "ready_seen": len(ready_seen)}
+                "hint_checks": hint_checks, "callee_cpu_s": callee_cpu, "ready_seen": len(ready_seen)}
 
     # ------------------------------------------------------------------ one search, single key
     async def search_single(self, reader, me: str, truth: dict[str, str]) -> dict:
@@ -370,8 +401,14 @@ class Bench:
         from gasloc.protocol.buckets import bucket_of, level_for
 
         o = self.o
+        from gasloc.peer.swarm.admission import Admission
+        from gasloc.peer.swarm.signed_hints import SignedRecords
+
         self.run_id, self.admissions = run_id, {}
         self.callee_validators = make_validators(run_id)[1]
+        # the searcher's check of signed hints: the live peer's Admission, its cache kept across rounds
+        self.searcher_admission = Admission(run_id, fingerprint="bench", protocol=1,
+                                            validators=make_validators(run_id)[1])
         t0 = time.monotonic()
         truth = await self.populate(run_id, n)
         populate_s = time.monotonic() - t0
@@ -381,6 +418,10 @@ class Bench:
             by_bucket.setdefault(bucket_of(p, level_for(n)), []).append(p)
         own = Membership(self.searcher, self.searcher_signer, run_id=run_id, peer_id=me, fingerprint="bench",
                          protocol=1, ttl_s=o["ttl_s"], request_timeout_s=30.0, rng=random.Random(o["seed"]))
+        # bucket reads keep their records' signatures, as the live peer's do (Network sets the same sink), so
+        # the searcher's reads take the daemon's path (a get run in the DHT process, _signed_get)
+        if o["signed_hints"]:
+            own.signed_sink = SignedRecords().keep
         rows = []
         for design in ("buckets", "single-key"):
             reader = own
@@ -395,13 +436,16 @@ class Bench:
                 responder.level = own.level
             per = []
             for _ in range(o["searches"]):
-                (dht0, p2pd0), th0 = proc_cpu_s(self.searcher.pid), time.thread_time()
+                # our process whole (process_time): the bench thread and hivemind's thread that receives and
+                # unpickles each get's result; the callees' modelled CPU (thread_time, in this thread) is taken out
+                (dht0, p2pd0), th0 = proc_cpu_s(self.searcher.pid), time.process_time()
                 b0, r0 = reader.bytes_read, responder.bytes_read
                 if design == "buckets":
                     res = await self.search_buckets(reader, responder, me, truth, by_bucket, level_for(n))
                 else:
                     res = await self.search_single(reader, me, truth)
-                (dht1, p2pd1), th1 = proc_cpu_s(self.searcher.pid), time.thread_time()
+                th1 = time.process_time()      # before reading /proc (0.1 ms): the bench's own cost is not ours
+                dht1, p2pd1 = proc_cpu_s(self.searcher.pid)
                 callee = res.get("callee_cpu_s", 0.0)
                 res.update(dht_cpu_ms=1000 * (dht1 - dht0), p2pd_cpu_ms=1000 * (p2pd1 - p2pd0),
                            parse_cpu_ms=1000 * (th1 - th0 - callee), callee_cpu_ms=1000 * callee)
@@ -422,6 +466,9 @@ class Bench:
                 "partner_found_share": round(len(found) / len(per), 3),
                 "searches": len(per),
                 "listings_per_round": round(statistics.mean(r["listings"] for r in per), 2),
+                "finds_per_round": round(statistics.mean(r.get("finds", 0) for r in per), 2),
+                "hint_checks_per_round": round(statistics.mean(r.get("hint_checks", 0) for r in per), 2),
+                "signed_hints": o["signed_hints"] if design == "buckets" else None,
                 "responder_bytes_per_round": round(statistics.mean(r["responder_bytes"] for r in per)),
                 **{f"{k}_per_round": round(statistics.mean(r[k] for r in per), 2)
                    for k in ("dht_cpu_ms", "p2pd_cpu_ms", "parse_cpu_ms", "callee_cpu_ms")},
@@ -469,10 +516,13 @@ def _table(rows: list[dict]) -> str:
 @click.option("--callee-check", default="inline", type=click.Choice(["inline", "lookup"]),
               help="how a callee checks the searcher: its inline signed record (the live peer), or a DHT lookup of "
                    "it (peers before inline records)")
+@click.option("--signed-hints/--no-signed-hints", default=True,
+              help="busy members' replies carry the signed records of the peers they hint at (the live peer), or "
+                   "none (peers before signed hints: a hinted peer is looked up in the DHT before it is called)")
 @click.option("--seed", default=0, type=int)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="write {'rows': [...]}")
-def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline_s, keys_path, callee_check, seed,
-         json_out):
+def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline_s, keys_path, callee_check,
+         signed_hints, seed, json_out):
     try:
         sizes = [int(x) for x in members.split(",") if x.strip()]
     except ValueError:
@@ -480,7 +530,7 @@ def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline
     if not sizes or min(sizes) < 2:
         raise click.BadParameter("every size must be at least 2", param_hint="--members")
     o = dict(searches=searches, dht_nodes=dht_nodes, ready_share=ready_share, busy_share=busy_share, call_s=call_s,
-             deadline_s=deadline_s, seed=seed, ttl_s=3600.0, callee_check=callee_check)
+             deadline_s=deadline_s, seed=seed, ttl_s=3600.0, callee_check=callee_check, signed_hints=signed_hints)
     keys = load_keys(keys_path, max(sizes))
     bench = Bench(o)
     run_ids = [f"scale-n{n}" for n in sizes]

@@ -74,6 +74,8 @@ METRICS: tuple[Metric, ...] = (
            "level (protocol/buckets.py)", "round", "buckets"),
     Metric("counter", "gasloc_dht_read_bytes", "bytes of membership records read from the DHT (listings, lookups)",
            "round", "dht_bytes_read"),
+    Metric("counter", "gasloc_signed_hints_refused", "signed records handed to us with hints that failed their "
+           "check (forged, foreign, expired, misplaced) and were not used", "round", "signed_hints_refused"),
     Metric("counter", "gasloc_passed_over", "ready peers on much slower links passed over (swarm.slower_link_ratio)",
            "round", "passed_over"),
     Metric("counter", "gasloc_guard_verdicts", "partners' tensors judged by the robust-mixing guard, by verdict "

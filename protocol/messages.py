@@ -117,6 +117,11 @@ class WireMember(_Wire):
 WIDEST_MEMBER = WireMember(key="k" * MAX_MEMBER_KEY_CHARS, subkey="s" * MAX_MEMBER_SUBKEY_CHARS,
                            value="v" * MAX_MEMBER_VALUE_CHARS, expiration=2.0**62)
 
+# signed hints (docs/membership.md): an exchange reply carries up to this many signed records of the peers it
+# hints at, ready ones first, so the initiator checks a hinted peer's record instead of looking it up in the DHT
+MAX_WIRE_MEMBERS = 4
+WIDEST_MEMBERS = (WIDEST_MEMBER,) * MAX_WIRE_MEMBERS
+
 
 class ExchangeRequest(_Wire):
     """Initiator -> responder: "I want to exchange; this is what I will send once you accept"."""
@@ -133,6 +138,9 @@ class ExchangeRequest(_Wire):
     peers: Hints = Field((), max_length=MAX_WIRE_HINTS, description="peer exchange: live peers the sender saw")
     member: WireMember | None = Field(None, description="the sender's own signed membership record (None: an "
                                       "older caller; the callee then looks it up in the DHT)")
+    members_wanted: int = Field(0, ge=0, le=MAX_WIRE_MEMBERS, description="signed hints: how many signed records "
+                                "of hinted peers the reply may carry (0: an older caller, whose reply cap has no "
+                                "room for them)")
 
 
 class ExchangeReply(_Wire):
@@ -150,6 +158,8 @@ class ExchangeReply(_Wire):
     auth: str = Field("", max_length=64, description="private swarm: the sender's proof of the swarm key "
                       "(protocol/auth.py); empty in an open swarm")
     peers: Hints = Field((), max_length=MAX_WIRE_HINTS, description="peer exchange: live peers the sender saw")
+    members: tuple[WireMember, ...] = Field((), max_length=MAX_WIRE_MEMBERS, description="signed hints: signed "
+                                            "records of peers in `peers` (each checked before use, like a caller's)")
 
 
 class LaneHello(_Wire):

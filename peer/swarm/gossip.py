@@ -77,7 +77,8 @@ class GossipAveraging:
                                    is_member=self.net.confirm_member, namespace=self.cfg.swarm.run_id,
                                    declines=self._declines, swarm_key=self.net.swarm_key,
                                    hints_out=self.net.hints_for, hints_in=self.net.heard,
-                                   admit=self.net.admit_caller, member_out=self.net.member_out)
+                                   admit=self.net.admit_caller, member_out=self.net.member_out,
+                                   members_out=self.net.members_for, members_in=self.net.members_heard)
         self.net.aio.run(self.exchanger.start(), self.cfg.network.startup_timeout_s)
 
     def average(self, sent: list[torch.Tensor], round: int, live_count: Callable[[], int]) -> RoundExchange:

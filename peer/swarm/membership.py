@@ -33,6 +33,7 @@ import math
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -190,11 +191,29 @@ class _CachedChecks:
         return ok
 
 
+SIGNED_KEEP = 4096   # signed values the DHT node keeps of what it read, for signed hints (signed_hints.py)
+
+
 class CachedSignatureValidator(_CachedChecks, RSASignatureValidator):
-    """hivemind's RSASignatureValidator (signs with our key, checks owners' signatures), results cached."""
+    """hivemind's RSASignatureValidator (signs with our key, checks owners' signatures), results cached. It also
+    keeps the signed bytes of each value it strips (hivemind strips a value only after its signature passed), so
+    that a get run in the DHT process (`_signed_get`) can return records with their signatures: what a peer passes
+    on as signed hints, checkable by anyone."""
 
     def validate(self, record) -> bool:
         return self._cached(record, super().validate)
+
+    def strip_value(self, record) -> bytes:
+        stripped = super().strip_value(record)
+        if len(stripped) < len(record.value):
+            kept = self.__dict__.setdefault("_signed", OrderedDict())
+            kept[(record.key, record.subkey, record.expiration_time)] = record.value
+            if len(kept) > SIGNED_KEEP:
+                kept.popitem(last=False)
+        return stripped
+
+    def signed_value(self, key_id: bytes, subkey: bytes, expiration: float) -> bytes | None:
+        return self.__dict__.get("_signed", {}).get((key_id, subkey, expiration))
 
 
 class BucketSchemaValidator(_CachedChecks, SchemaValidator):
@@ -277,6 +296,25 @@ DHT_CACHE_NEAREST = 0
 SIGNATURE_BYTES = 357  # b"[signature:<344 base64 chars>]" of an RSA-2048 signature, stripped before we see a value
 
 
+async def _signed_get(key: str, beam: int, _dht, node):
+    """Run in the DHT process (DHT.run_coroutine): the get a listing does, plus, for each entry, its signed value
+    bytes as the node read and checked them (CachedSignatureValidator). Returns (found, {subkey: signed bytes});
+    an entry whose kept bytes are not exactly its value plus a signature gets none."""
+    found = await node.get(key, latest=True, beam_size=beam)
+    signed: dict[bytes, bytes] = {}
+    checker = next((v for v in getattr(node.protocol.record_validator, "_validators", ())
+                    if isinstance(v, CachedSignatureValidator)), None)
+    if checker is not None and found is not None and isinstance(found.value, dict):
+        key_id = DHTID.generate(source=key).to_bytes()
+        for subkey, entry in found.value.items():
+            if entry.value is None:
+                continue
+            raw = checker.signed_value(key_id, MSGPackSerializer.dumps(subkey), entry.expiration_time)
+            if raw is not None and raw.startswith(MSGPackSerializer.dumps(entry.value)):
+                signed[subkey] = raw
+    return found, signed
+
+
 def entry_bytes(found) -> int:
     """About how many bytes a DHT `get` result carried: each entry's subkey and value as msgpack, its signature
     and expiration. An estimate for metrics and bench/scale.py (the DHT strips signatures before we see values)."""
@@ -302,23 +340,48 @@ class BucketReader:
         self.expirations: dict[str, float] = {}   # peer id -> DHT expiration of its entry, as of the last read
         self.withdrawn: set[str] = set()          # peers whose withdrawal (None) the last read saw
         self._recent: list[int] = []              # buckets of our level read lately: the next listing reads others
+        # where the signed records of our bucket reads go (owner, WireMember): signed hints (signed_hints.py
+        # SignedRecords.keep); None: not kept, and reads take the plain get
+        self.signed_sink: Callable[[str, WireMember], None] | None = None
 
-    async def _get(self, key: str):
-        """A DHT get of one key; None when it did not answer in time (which says nothing about who is alive)."""
+    async def _get(self, key: str, *, signed: bool = False):
+        """A DHT get of one key; None when it did not answer in time (which says nothing about who is alive). With
+        `signed` (bucket reads), the records' signed bytes go to `signed_sink` (signed hints)."""
         self.gets += 1
+        with_signed = signed and self.signed_sink is not None and hasattr(self.dht, "run_coroutine")
         try:
-            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True, beam_size=GET_BEAM),
-                                           self.request_timeout_s)
+            if with_signed:
+                found, raw = await asyncio.wait_for(self.dht.run_coroutine(
+                    functools.partial(_signed_get, key, GET_BEAM), return_future=True), self.request_timeout_s)
+            else:
+                found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True,
+                                                            beam_size=GET_BEAM), self.request_timeout_s)
         except TimeoutError:
             log.warning("dht_get_timeout key=%s timeout_s=%.1f", key, self.request_timeout_s)
             return None, False
         self.bytes_read += entry_bytes(found)
+        if with_signed:
+            self._keep_signed(key, found, raw)
         return found, True
+
+    def _keep_signed(self, key: str, found, raw: dict[bytes, bytes]) -> None:
+        """Signed records of a bucket just read, as WireMembers (built without validation: our DHT node checked
+        the signatures, and we only pass them on; every receiver checks them again)."""
+        now = get_dht_time()
+        for subkey, value in raw.items():
+            entry = found.value.get(subkey)
+            owner = peer_id_of(subkey)
+            if entry is None or owner is None or entry.expiration_time <= now:
+                continue
+            self.signed_sink(owner, WireMember.model_construct(
+                key=key, subkey=subkey.decode("ascii"), value=base64.b64encode(value).decode(),
+                expiration=float(entry.expiration_time)))
 
     async def read(self, buckets: list[tuple[int, int]], *, sample: bool = True) -> dict[str, PeerRecord] | None:
         """Every valid, unexpired record in these (level, bucket)s; None if none of the gets was answered. With
         `sample`, each answered bucket adds to the size estimate."""
-        results = await asyncio.gather(*(self._get(bucket_key(self.run_id, lv, b)) for lv, b in buckets))
+        results = await asyncio.gather(*(self._get(bucket_key(self.run_id, lv, b), signed=True)
+                                         for lv, b in buckets))
         now = get_dht_time()
         out: dict[str, PeerRecord] = {}
         answered = False

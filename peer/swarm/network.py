@@ -38,6 +38,7 @@ from gasloc.peer.swarm.membership import (
     peer_id_of,
     status_view,
 )
+from gasloc.peer.swarm.signed_hints import SignedRecords
 from gasloc.peer.swarm.swarmkey import load_swarm_key
 from gasloc.protocol.auth import SwarmKeyError
 from gasloc.protocol.buckets import HintBook, PeerHint, listing_interval_s, pick_hints
@@ -52,13 +53,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LIST_PERIOD_S = 10.0  # the slow background refresh, one bucket (a search lists more, with backoff: gossip.py);
-                      # at most announce_ttl_s / 3 apart, so that what we read is refreshed before it expires
+LIST_PERIOD_S = 10.0  # the slow background refresh, one bucket (a search lists more, with backoff: gossip.py)
 LEGACY_CHECK_S = 30.0  # how often the single key of the older layout is checked for peers of an older gasloc
 NOT_MEMBER_CACHE_S = 5.0  # a caller whose record we did not find is not looked up again for this long
 REPROBE_CHECK_S = 5.0  # how often a running peer with reachability auto looks at its dialable addresses (one
                        # control call to its p2pd); at most this late it notices a change (network.reprobe_every_s)
 JOIN_RELIST_S = 0.5  # a joiner whose first listing was empty lists again at this pace (swarm.join_listing_wait_s)
+
+
+def list_period_s(level: int, ttl_s: float) -> float:
+    """Seconds between background listings. A swarm read whole each time (level 0 or 1) is re-read before what we
+    read expires (announce_ttl_s / 3). A larger one is read a random bucket at a time, and the next refresh reads
+    another bucket anyway, so a pace above LIST_PERIOD_S only costs gets (one is ~10 ms of CPU at 1,000 members,
+    bench/scale.py): at the default 15 s TTL, ttl / 3 would be 2.4 background gets per 12-s round instead of 1.2."""
+    return min(LIST_PERIOD_S, ttl_s / 3) if level <= 1 else LIST_PERIOD_S
 
 
 @dataclass(frozen=True)
@@ -89,10 +97,12 @@ class Network:
         self._entered: dict[str, tuple[str, int, float]] = {}  # peer -> (state, round, DHT time it entered them)
         self.records: dict[str, PeerRecord] = {}   # every record read (any configuration), until its expiration
         self.hints = HintBook()                    # peer exchange: who others told us is live (protocol/buckets.py)
+        self.signed = SignedRecords()              # signed hints: records to pass on, and handed to us (unchecked)
         self._not_members: dict[str, float] = {}   # caller -> when its lookup found no record (monotonic)
         self._search_listings = 0                  # listings asked for during the partner search in progress
         self.legacy_seen: set[str] = set()         # peers of the older single-key layout, reported once each
         self._bytes_reported = self._gets_reported = 0   # membership reads already in an earlier round's metrics
+        self._hints_reported = [0, 0]              # signed hints used / refused, already in an earlier round's
         self.peer_id, self.maddrs, self.fingerprint = "", [], ""
         self.signer = None
         self._tasks: list = []
@@ -232,6 +242,7 @@ class Network:
                                   on_detached=self._via_shrank)
         self.aio.run(self.relay.start(), timeout)
         self.hints = HintBook(self.peer_id)
+        self.membership.signed_sink = self.signed.keep   # our bucket reads' records, with their signatures
         self._check_layout(self.aio.run(self.membership.legacy_peers(), timeout), starting=True)
         self._take(self.aio.run(self.membership.probe(), timeout))
         self.relay.volunteer = net.forwarding and not self.private
@@ -424,7 +435,7 @@ class Network:
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._list_wanted.wait(),
-                                       min(LIST_PERIOD_S, self.cfg.swarm.announce_ttl_s / 3))
+                                       list_period_s(self.membership.level, self.cfg.swarm.announce_ttl_s))
             self._list_wanted.clear()
             level = self.membership.level
             self._take(await self.membership.listing())
@@ -526,6 +537,15 @@ class Network:
         records = {pid: (r.state, r.round) for pid, r in self.live.items()}
         return pick_hints(records, self.hints, time.monotonic(), exclude=(peer, self.peer_id))
 
+    def members_for(self, peer: str, hints) -> tuple[WireMember, ...]:
+        """Signed hints: the signed records we hold of the peers `hints` name (ready ones come first in hints),
+        for a reply to `peer`, which checks each before it calls that peer (signed_hints.py)."""
+        return self.signed.attach([h.peer_id for h in hints if h.peer_id != peer], get_dht_time())
+
+    def members_heard(self, peer: str, members) -> None:
+        """Signed records `peer` handed us with its hints: kept unchecked until we are about to call one."""
+        self.signed.offered(peer, members)
+
     def heard(self, peer: str, hints, *, state: str | None = None, round: int = 0) -> None:
         """Hints from `peer` (a member: its header came after the membership check); with `state`, what we saw
         of `peer` itself (a caller is searching, so ready)."""
@@ -557,6 +577,7 @@ class Network:
             log.debug("caller_refused peer=%s why=%s", pid, why)
             return False
         self.membership.expirations[pid] = max(self.membership.expirations.get(pid, 0.0), member.expiration)
+        self.signed.keep(pid, member)   # checked: we may pass it on with our hints of this caller
         self._take({pid: rec})
         return self.is_member(peer_id)
 
@@ -568,6 +589,15 @@ class Network:
         pid = str(peer_id)
         if self.is_member(peer_id):
             return True
+        if self.signed.has_offer(pid) and self.admission is not None:
+            # a peer hinted at with its signed record: check the record (one RSA verification) instead of a get
+            rec, _why = self.signed.check(pid, self.admission, get_dht_time())
+            if rec is not None:
+                self.membership.expirations[pid] = max(self.membership.expirations.get(pid, 0.0),
+                                                       self.signed.kept(pid).expiration)
+                self._take({pid: rec})
+                if self.is_member(peer_id):
+                    return True
         now = time.monotonic()
         if now - self._not_members.get(pid, -1e9) < NOT_MEMBER_CACHE_S:
             return False
@@ -589,8 +619,11 @@ class Network:
             return {}
         read, self._bytes_reported = m.bytes_read - self._bytes_reported, m.bytes_read   # since the last round
         gets, self._gets_reported = m.gets - self._gets_reported, m.gets
+        # signed hints since the last round: handed records checked and used instead of a lookup, and refused
+        used, self._hints_reported[0] = self.signed.accepted - self._hints_reported[0], self.signed.accepted
+        refused, self._hints_reported[1] = self.signed.refused - self._hints_reported[1], self.signed.refused
         return {"swarm_estimate": round(m.estimate.value, 1), "buckets": 1 << m.level, "dht_bytes_read": read,
-                "dht_gets": gets}
+                "dht_gets": gets, "signed_hints_used": used, "signed_hints_refused": refused}
 
     # ------------------------------------------------------------------ state transfer
     # A joiner's snapshot is taken only when one asks: a copy of the parameters and the outer state to the CPU is

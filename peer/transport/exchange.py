@@ -57,11 +57,14 @@ from gasloc.protocol.buckets import WIDEST_HINTS, PeerHint, from_wire, wire_hint
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     MAX_STREAMS,
+    MAX_WIRE_MEMBERS,
     PROTOCOL_VERSION,
     WIDEST_MEMBER,
+    WIDEST_MEMBERS,
     ExchangeReply,
     ExchangeRequest,
     TensorSpec,
+    WireHint,
     WireMember,
     payload_bytes,
 )
@@ -187,7 +190,9 @@ class Exchanger:
                  hints_out: Callable[[str], Sequence[PeerHint]] | None = None,
                  hints_in: Callable[..., None] | None = None,
                  admit: Callable[[PeerID, WireMember | None], bool | Awaitable[bool]] | None = None,
-                 member_out: Callable[[], WireMember | None] = lambda: None):
+                 member_out: Callable[[], WireMember | None] = lambda: None,
+                 members_out: Callable[[str, Sequence[PeerHint]], Sequence[WireMember]] | None = None,
+                 members_in: Callable[[str, Sequence[WireMember]], None] | None = None):
         self.cfg, self.p2p = cfg, p2p
         self.specs = [s if isinstance(s, TensorSpec) else TensorSpec.of(*s) for s in specs]
         self.fingerprint, self.is_member = fingerprint, is_member
@@ -200,6 +205,10 @@ class Exchanger:
         # peer exchange (protocol/buckets.py): what we tell a member in our headers, and what it told us
         self.hints_out = hints_out or (lambda partner: ())
         self.hints_in = hints_in or (lambda partner, hints, **seen: None)
+        # signed hints: the signed records we hold of the peers our reply hints at, and what to do with those a
+        # reply hands us (kept unchecked until we are about to call one: peer/swarm/signed_hints.py)
+        self.members_out = members_out or (lambda partner, hints: ())
+        self.members_in = members_in
         self.handler_name = f"{namespace}::gasloc.exchange.v{PROTOCOL_VERSION}"
         self.lane_name = f"{namespace}::gasloc.exchange-lane.v{PROTOCOL_VERSION}"
         self._lanes = LaneRegistry(hello_timeout_s=cfg.accept_timeout_s)
@@ -211,7 +220,8 @@ class Exchanger:
         self.max_header_bytes = max(header_cap(widest.model_copy(update={"member": WIDEST_MEMBER})), header_cap(
             ExchangeReply(protocol_version=PROTOCOL_VERSION, code=0, message="m" * 512, fingerprint=widest.fingerprint,
                           round=widest.round, wire_dtype=widest.wire_dtype, specs=widest.specs,
-                          total_bytes=widest.total_bytes, token="t" * 64, auth=widest.auth, peers=WIDEST_HINTS)))
+                          total_bytes=widest.total_bytes, token="t" * 64, auth=widest.auth, peers=WIDEST_HINTS,
+                          members=WIDEST_MEMBERS)))
         self.rejected_unread = 0       # callers closed before a byte was read (over the handler cap)
         self._local_dtypes = [torch_dtype(s.dtype) for s in self.specs]
         self._offer: _Offer | None = None
@@ -348,11 +358,14 @@ class Exchanger:
                                               round=offer.round, wire_dtype=self.cfg.wire_dtype,
                                               specs=tuple(self.specs), total_bytes=total, streams=lanes,
                                               auth=self._proof(EXCHANGE_CALL, me, partner),
-                                              peers=wire_hints(self.hints_out(partner)), member=self.member_out())
+                                              peers=wire_hints(self.hints_out(partner)), member=self.member_out(),
+                                              members_wanted=MAX_WIRE_MEMBERS if self.members_in else 0)
                     await channels[0].write(encode_header(request))
                     reply = await read_header(channels[0], ExchangeReply, self.max_header_bytes)
                     if reply.code != int(Code.NOT_MEMBER):   # a BUSY answer tells us of others, too
                         self.hints_in(partner, from_wire(reply.peers))
+                        if self.members_in is not None and reply.members:
+                            self.members_in(partner, reply.members)
                     code, why = check_reply(reply, expected_specs=self.specs, fingerprint=self.fingerprint,
                                             max_bytes=self.max_message_bytes)
                     if code == Code.BUSY:
@@ -413,12 +426,21 @@ class Exchanger:
             self._handlers.discard(task)
             ch.close()
 
-    async def _reply(self, ch: Channel, partner: str, code: Code, message: str, member: bool = True) -> None:
+    def _hints_for(self, partner: str, wanted: int) -> tuple[tuple[WireHint, ...], tuple[WireMember, ...]]:
+        """Our hints for `partner` and, if it asked for them (`members_wanted`), the signed records we hold of
+        the peers they name (an older caller reads replies up to its own widest, which has no room for them)."""
+        hints = wire_hints(self.hints_out(partner))
+        if not wanted or not hints:
+            return hints, ()
+        return hints, tuple(self.members_out(partner, from_wire(hints)))[:min(wanted, MAX_WIRE_MEMBERS)]
+
+    async def _reply(self, ch: Channel, partner: str, code: Code, message: str, member: bool = True,
+                     wanted: int = 0) -> None:
         log.debug("exchange role=responder partner=%s answer=%s detail=%r", partner, code.name, message)
         # a member answered BUSY learns of other peers (peer exchange); a stranger learns nothing
+        hints, members = self._hints_for(partner, wanted) if member else ((), ())
         reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(code), message=message[:500],
-                              fingerprint=self.fingerprint,
-                              peers=wire_hints(self.hints_out(partner)) if member else ())
+                              fingerprint=self.fingerprint, peers=hints, members=members)
         try:
             async with asyncio.timeout(self.cfg.accept_timeout_s):
                 await ch.write(encode_header(reply))
@@ -462,13 +484,14 @@ class Exchanger:
             self.hints_in(partner, from_wire(request.peers), state="exchanging", round=request.round)
         if code != Code.OK:
             return await self._reply(ch, partner, code, why)
+        wanted = request.members_wanted
         offer = self._offer
         if offer is None or offer.used or self._engagement is not None:
             return await self._reply(ch, partner, Code.BUSY, NO_FREE_OFFER if self._engagement is None
-                                     else "engaged in another exchange")
+                                     else "engaged in another exchange", wanted=wanted)
         why = self.declines(peer_id)
         if why:
-            return await self._reply(ch, partner, Code.BUSY, why)
+            return await self._reply(ch, partner, Code.BUSY, why, wanted=wanted)
         # accepted: from here until the finally, nobody else can engage us (no await between check and set)
         eng = self._engagement = _Engagement("responder", partner, asyncio.current_task())
         outcome, code, detail, tensors = Outcome.failed, None, "", None

@@ -9,7 +9,8 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "scale.py"
 FIELDS = {"design", "members", "dht_bytes_per_round", "cpu_ms_per_round", "partner_found_s_median",
-          "partner_found_share", "searches", "listings_per_round", "startup_bytes", "buckets", "error"}
+          "partner_found_share", "searches", "listings_per_round", "startup_bytes", "buckets", "error",
+          "finds_per_round", "hint_checks_per_round", "signed_hints"}
 
 
 @pytest.mark.timeout(420)
@@ -30,6 +31,7 @@ def test_quick_mode_rows_and_buckets_read_less_than_the_single_key(tmp_path):
     by = {(x["design"], x["members"]): x for x in rows}
     assert by["buckets", 100]["dht_bytes_per_round"] < by["single-key", 100]["dht_bytes_per_round"] / 2
     assert by["buckets", 100]["buckets"] > 1 and by["buckets", 10]["buckets"] == 1
+    assert by["buckets", 100]["signed_hints"] is True and by["single-key", 100]["signed_hints"] is None
     assert "| design | members |" in r.stdout
 
 

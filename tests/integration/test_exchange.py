@@ -12,9 +12,11 @@ from p2p_helpers import Partner, arun, first_maddr, p2p_nodes, rss_bytes
 
 from gasloc.peer.transport.channel import Channel, read_header
 from gasloc.peer.transport.exchange import ExchangeConfig, Exchanger, Outcome
+from gasloc.protocol.buckets import PeerHint
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     PROTOCOL_VERSION,
+    WIDEST_MEMBER,
     ExchangeReply,
     ExchangeRequest,
     LaneHello,
@@ -37,11 +39,13 @@ def tensors(seed, shapes=SHAPES):
     return [torch.randn(s, generator=g) for s in shapes]
 
 
-def exchanger(p2p, shapes=SHAPES, members=None, declines=lambda peer: None, swarm_key=None, **cfg):
+def exchanger(p2p, shapes=SHAPES, members=None, declines=lambda peer: None, swarm_key=None, hints_out=None,
+              members_out=None, members_in=None, **cfg):
     cfg.setdefault("exchange_timeout_s", 10.0)
     return Exchanger(ExchangeConfig(**cfg), p2p, specs=[(s, torch.float32) for s in shapes], fingerprint=FP,
                      is_member=(lambda peer: True) if members is None else (lambda peer: str(peer) in members),
-                     namespace=NS, declines=declines, swarm_key=swarm_key)
+                     namespace=NS, declines=declines, swarm_key=swarm_key, hints_out=hints_out,
+                     members_out=members_out, members_in=members_in)
 
 
 def assert_unchanged(offered, saved):
@@ -138,13 +142,22 @@ def test_a_declined_caller_gets_busy_with_the_reason_and_both_sides_learn_the_ra
     async def main():
         async with p2p_nodes(2) as (a, b):
             declining = {"on": True}
-            ea = exchanger(a, declines=lambda peer: "waiting for a like link" if declining["on"] else None)
-            eb = exchanger(b)
+            # signed hints: the busy answer names a peer and carries the signed record a holds of it
+            record = WIDEST_MEMBER.model_copy(update={"value": "c2lnbmVk", "key": "k"})
+            handed = []
+            ea = exchanger(a, declines=lambda peer: "waiting for a like link" if declining["on"] else None,
+                           hints_out=lambda peer: [PeerHint("QmHinted", "exchanging", 3)],
+                           members_out=lambda peer, hints: [record] if hints[0].peer_id == "QmHinted" else [])
+            eb = exchanger(b, members_in=lambda peer, members: handed.append((peer, members)))
             await ea.start(), await eb.start()
             ea.offer(tensors(1), 0), eb.offer(tensors(2), 0)
             assert ea.rate(str(b.peer_id)) == eb.rate(str(a.peer_id)) == 0.0
             res = await eb.exchange(a.peer_id)
             assert res.outcome is Outcome.busy and res.code == Code.BUSY and "like link" in res.detail
+            assert handed == [(str(a.peer_id), (record,))]
+            # an older caller (no members_wanted) gets the hints but no records: its reply cap has no room
+            older = await raw_request(b, a.peer_id, request_frame())
+            assert older.code == Code.BUSY and older.peers and older.members == ()
             assert await ea.wait_incoming(0.2) is None         # declining used nothing: the offer is still free
             declining["on"] = False
             assert (await eb.exchange(a.peer_id)).ok and (await ea.wait_incoming(5)).ok

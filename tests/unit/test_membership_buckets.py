@@ -155,3 +155,10 @@ def test_a_mixed_swarm_refuses_to_start_and_is_an_error_while_running(signers, c
         net._check_layout({old.peer_id: rec}, starting=False)
         net._check_layout({old.peer_id: rec}, starting=False)  # once per peer, not every check
     assert sum("mixed swarm" in r.message for r in caplog.records) == 1
+
+
+def test_the_background_refresh_reads_a_large_swarm_every_10_s_and_a_small_one_before_it_expires():
+    from gasloc.peer.swarm.network import LIST_PERIOD_S, list_period_s
+    assert list_period_s(0, 15.0) == list_period_s(1, 15.0) == 5.0     # read whole: again before a record expires
+    assert list_period_s(1, 60.0) == LIST_PERIOD_S == 10.0
+    assert list_period_s(7, 15.0) == 10.0                               # a bucket at a time: no faster than 10 s

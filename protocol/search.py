@@ -35,7 +35,8 @@ Rules (their reasons are in protocol/partners.py):
   once both got BUSY); BUSY from our own side (our offer was taken meanwhile) costs the partner nothing;
   a timeout, failure or rejection: exponential backoff for that partner;
 - trust (protocol/guard.py, when the policy has a TrustBook): a peer whose mixes we clipped or rejected is picked
-  with probability scaled by its trust, and below guard.busy_below it is neither called nor accepted (BUSY).
+  with probability scaled by its trust, and below guard.busy_below it is neither called nor accepted (BUSY) while
+  someone else in sight is not distrusted (the only partner is never turned away: the guard still judges it).
 """
 from __future__ import annotations
 
@@ -159,8 +160,16 @@ class PartnerPolicy:
         self.trust.forget_recovered(now)
         return self.trust.penalize(peer, verdict, now)
 
-    def distrusted(self, peer: str, now: float) -> bool:
-        return self.trust is not None and self.trust.distrusted(peer, now)
+    def distrusted(self, peer: str, now: float, live: Collection[str] | None = None) -> bool:
+        """Whether to turn `peer` away (not call it, answer it BUSY): its trust is below guard.busy_below and, when
+        `live` (the peers in sight) is given, someone else in sight is not. Distrust steers the choice among
+        partners; it never turns the only one away: in a 2-peer swarm that made a solo round of every round until
+        the trust recovered (~30 s), the two drifted apart, and the guard rejected each other by distance from
+        then on (the compose swarm of the docker test: 4 ok exchanges in 10 rounds). Its tensors still pass the
+        guard, so a hostile only partner is clipped or rejected all the same."""
+        if self.trust is None or not self.trust.distrusted(peer, now):
+            return False
+        return live is None or any(q != peer and not self.trust.distrusted(q, now) for q in live)
 
     def declines(self, peer: str, rate: float, own_link: float, now: float) -> bool:
         """A caller arrives: answer it BUSY? In the first half of a picky search, because its link is much slower
@@ -246,7 +255,7 @@ class Search:
         trust = None
         if p.trust is not None:  # a repeat offender is not called until its trust recovers, and picked less often
             trust = p.trust.weights(sight.ready, now)
-            avoid |= {q for q, t in trust.items() if t < p.trust.cfg.busy_below}
+            avoid |= {q for q in trust if p.distrusted(q, now, sight.live)}
         partner = pick_partner(sight.ready, p.backoff, now, p.rng, weighted=r.bandwidth_weighting,
                                avoid=avoid | uncallable, trust=trust)
         if partner is not None:

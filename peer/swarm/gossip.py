@@ -108,7 +108,7 @@ class GossipAveraging:
     def _declines(self, peer_id: PeerID) -> str | None:
         """The exchanger asks before accepting a caller: why to answer it busy, or None to accept."""
         peer = str(peer_id)
-        if self.policy.distrusted(peer, time.monotonic()):
+        if self.policy.distrusted(peer, time.monotonic(), self.net.in_sight()):
             return "distrusted: its recent mixes were clipped or rejected (guard.busy_below)"
         if self.policy.declines(peer, self.exchanger.rate(peer), self.own_link(), time.monotonic()):
             return "waiting for a partner on a link like ours"

@@ -125,12 +125,23 @@ def test_a_distrusted_peer_is_not_called_and_is_answered_busy_until_it_recovers(
     cfg = GuardConfig(trust_half_life_s=100.0, busy_below=0.5)
     p = _policy(TrustBook(cfg))
     p.judged("bad", Verdict("reject", 5, 0.3, 0.0), now=0.0)  # trust 0.4
-    seen = Sight(live={"bad"}, ready={"bad": 1.0})
+    seen = Sight(live={"bad", "good"}, ready={"bad": 1.0})
     assert not isinstance(p.begin(0.0).next(seen, 1.0), Call)
-    assert p.distrusted("bad", 1.0)
+    assert p.distrusted("bad", 1.0, live={"bad", "good"})
     # 0.6 of distrust decays to below 0.5 after 100 * log2(0.6 / 0.5) = 26.3 s
     assert p.distrusted("bad", 26.0) and not p.distrusted("bad", 27.0)
     assert p.begin(30.0).next(seen, 30.0) == Call("bad")
+
+
+def test_the_only_partner_is_never_turned_away_for_distrust():
+    """A 2-peer swarm: turning the other peer away only makes solo rounds (the guard still judges its tensors)."""
+    p = _policy(TrustBook(GuardConfig(trust_half_life_s=100.0, busy_below=0.5)))
+    p.judged("other", Verdict("reject", 5, 0.3, 0.0), now=0.0)  # trust 0.4
+    assert p.distrusted("other", 1.0) and not p.distrusted("other", 1.0, live={"other"})
+    assert p.begin(0.0).next(Sight(live={"other"}, ready={"other": 1.0}), 1.0) == Call("other")
+    # a second peer in sight that is distrusted too leaves nobody to turn to: both stay callable
+    p.judged("third", Verdict("reject", 5, 0.3, 0.0), now=0.0)
+    assert not p.distrusted("other", 1.0, live={"other", "third"})
 
 
 def test_trust_lowers_a_clipped_peers_chance_to_be_picked():

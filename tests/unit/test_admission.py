@@ -60,6 +60,17 @@ def _admission(signers) -> Admission:
                      validators=make_validators(RUN, signers[2]._private_key)[1])
 
 
+def _network(dht, signers) -> Network:
+    """A searching peer's Network (signers[0]) at bucket level 3, with an Admission, on `dht`."""
+    net = Network(PeerConfig.model_validate({"swarm": {"run_id": RUN}}), lambda: PeerStatus("training", 0, 0.0, 0.0))
+    net.peer_id, net.fingerprint = peer_id_of(signers[0].local_public_key), "f"
+    net.membership = Membership(dht, signers[0], run_id=RUN, peer_id=net.peer_id, fingerprint="f",
+                                protocol=PROTOCOL_VERSION, ttl_s=15.0)
+    net.membership.level = 3
+    net.admission = _admission(signers)
+    return net
+
+
 def _announced(dht, signer, *, run=RUN, level=3, fingerprint="f", ttl_s=15.0) -> Membership:
     m = Membership(dht, signer, run_id=run, peer_id=peer_id_of(signer.local_public_key), fingerprint=fingerprint,
                    protocol=PROTOCOL_VERSION, ttl_s=ttl_s)
@@ -145,12 +156,7 @@ def test_an_oversize_record_is_a_bad_header():
 def test_the_network_admits_by_inline_record_and_looks_up_only_without_one(signers):
     dht = FakeDHT()
     caller = _announced(dht, signers[1])
-    net = Network(PeerConfig.model_validate({"swarm": {"run_id": RUN}}), lambda: PeerStatus("training", 0, 0.0, 0.0))
-    net.peer_id, net.fingerprint = peer_id_of(signers[0].local_public_key), "f"
-    net.membership = Membership(dht, signers[0], run_id=RUN, peer_id=net.peer_id, fingerprint="f",
-                                protocol=PROTOCOL_VERSION, ttl_s=15.0)
-    net.membership.level = 3
-    net.admission = _admission(signers)
+    net = _network(dht, signers)
     pid = PeerID.from_base58(caller.peer_id)
 
     async def main():

@@ -9,30 +9,19 @@ import base64
 from types import SimpleNamespace
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric import rsa
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import PeerID
-from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
-from test_admission import RUN, FakeDHT, _admission, _announced
+from test_admission import RUN, FakeDHT, _admission, _announced, _network, _signer
 
-from gasloc.peer.config import PeerConfig
-from gasloc.peer.swarm.membership import Membership, _signed_get, make_validators, peer_id_of
-from gasloc.peer.swarm.network import Network, PeerStatus
+from gasloc.peer.swarm.membership import Membership, _signed_get, make_validators
 from gasloc.peer.swarm.signed_hints import SignedRecords
 from gasloc.protocol.buckets import PeerHint
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import MAX_WIRE_MEMBERS, PROTOCOL_VERSION, WIDEST_MEMBER, ExchangeReply
 from gasloc.protocol.wire import WireError, decode_header, encode_header
-
-
-def _signer() -> RSASignatureValidator:
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key._private_key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
-    return RSASignatureValidator(key)
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +128,7 @@ def test_a_bucket_read_keeps_the_signatures_its_dht_node_checked(signers):
 def test_the_network_calls_a_hinted_peer_on_its_handed_record_without_a_dht_lookup(signers):
     dht = FakeDHT()
     hinted = _announced(FakeDHT(), signers[1])
-    net = Network(PeerConfig.model_validate({"swarm": {"run_id": RUN}}), lambda: PeerStatus("training", 0, 0.0, 0.0))
-    net.peer_id, net.fingerprint = peer_id_of(signers[0].local_public_key), "f"
-    net.membership = Membership(dht, signers[0], run_id=RUN, peer_id=net.peer_id, fingerprint="f",
-                                protocol=PROTOCOL_VERSION, ttl_s=15.0)
-    net.membership.level = 3
-    net.admission = _admission(signers)
+    net = _network(dht, signers)
     pid = PeerID.from_base58(hinted.peer_id)
 
     async def main():

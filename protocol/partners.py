@@ -131,12 +131,21 @@ def peers_to_avoid(recent: Iterable[str], live: Iterable[str], elapsed_s: float,
     one component (docs/sim-results.md). The newest recent partners are passed over only while someone else we
     would take is due before the first half ends (waiting for a peer that cannot come in time only costs time),
     at most all of `live` but one (in a small swarm the oldest of them is fair game again), and never in the second
-    half, so nobody is left without a partner.
+    half, so nobody is left without a partner. A streak (every remembered partner the same peer) is passed over in
+    the first half even when nobody else is due: otherwise two pairs out of phase stay pairs for good.
     """
-    live = set(live)
+    live, recent = set(live), list(recent)
     if elapsed_s >= deadline_s / 2 or len(live) < 2:
         return set()
-    newest = [p for p in dict.fromkeys(reversed(list(recent))) if p in live][:len(live) - 1]
+    newest = [p for p in dict.fromkeys(reversed(recent)) if p in live][:len(live) - 1]
     avoid = set(newest)
     others = (live if soon is None else set(soon) & live) - avoid
-    return avoid if others else set()
+    if others:
+        return avoid
+    if len(recent) >= 2 and len(set(recent)) == 1 and recent[0] in live:
+        # every remembered partner is the same peer: a pair that finishes together, locked in while the others
+        # run out of phase (never due in our first half). Pass it over for the first half anyway, for whoever
+        # comes by then. Measured in test_untrusted's 4-peer clean swarms: h0-h1 and h2-h3 paired in rounds 5-12,
+        # drifted 0.57 apart and rejected each other in round 13.
+        return {recent[0]}
+    return set()

@@ -82,6 +82,11 @@ def test_recent_partners_are_passed_over_only_early_and_only_when_someone_else_i
     # a longer memory never covers everyone we could ask: the oldest of them is fair game again
     assert peers_to_avoid(["c", "b", "a"], live, elapsed_s=0.1, deadline_s=2.0) == {"a", "b"}
     assert peers_to_avoid(["c", "b", "a"], live, elapsed_s=0.1, deadline_s=2.0, soon={"a", "b"}) == set()
+    # a streak (the whole memory one peer) is passed over in the first half even with nobody else due
+    assert peers_to_avoid(["a", "a", "a"], live, elapsed_s=0.1, deadline_s=2.0, soon={"a"}) == {"a"}
+    assert peers_to_avoid(["a", "a", "a"], live, elapsed_s=1.0, deadline_s=2.0, soon={"a"}) == set()
+    assert peers_to_avoid(["b", "a", "a"], live, elapsed_s=0.1, deadline_s=2.0, soon={"a"}) == set()
+    assert peers_to_avoid(["a", "a", "a"], {"a"}, elapsed_s=0.1, deadline_s=2.0, soon={"a"}) == set()  # 2 peers
     b = Backoff(min_backoff_s=1.0, max_backoff_s=5.0, busy_cooldown_s=0.5)
     rng = random.Random(0)
     picks = {pick_partner({"a": 1.0, "b": 1.0}, b, 0.0, rng, weighted=False, avoid={"a"}) for _ in range(50)}

@@ -626,7 +626,7 @@ class Peer:
             if len(received) == len(self.params) and all(r.shape == p.shape for r, p in zip(received, self.params)):
                 batch = self.val_batches[:1]
                 own, theirs = self._evaluate_at(sent, batch), self._evaluate_at(received, batch)
-                v = self.guard.after_check(v, own, theirs, start_loss=self._evaluate_at(self.outer.anchor, batch))
+                v = self.guard.after_check(v, own, theirs)
                 better = theirs < own * (1 - self.cfg.guard.val_margin)
             else:  # tensors that are no model (NoLoCo sends two per parameter): clip without the check
                 v = Verdict("clip", v.distance, v.tau, v.scale, reason="not a model: clipped unchecked")

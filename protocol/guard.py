@@ -7,8 +7,7 @@ own history, never the current partner: with one partner per round the current d
 hostile partner cannot talk its own way in. Then:
     d <= tau                      accept: y_j is mixed in as it is (honest mixing is unchanged)
     tau < d <= reject_factor*tau  suspicious: the caller checks y_j on one local batch (`after_check`); if y_j is
-                                  no worse there than y or than our round's start (the outer anchor), it is
-                                  clipped: y_j' = y + (tau/d)(y_j - y), else rejected
+                                  no worse than y there, it is clipped: y_j' = y + (tau/d)(y_j - y), else rejected
     d > reject_factor*tau          rejected (Code.DISTRUSTED): a solo round
 So one bad partner moves us at most w*tau per round (self-centered clipping, He, Karimireddy & Jaggi 2022).
 
@@ -67,10 +66,8 @@ class GuardConfig(BaseModel):
     min_tau: float = Field(1e-3, gt=0, description="tau is never below this (peers that just started from the "
                            "same model are almost equal)")
     val_check: bool = Field(True, description="check a suspicious partner's model (farther than tau) on one local "
-                            "validation batch before mixing; reject it if worse by val_margin than both our model "
-                            "and our round's start")
-    val_margin: float = Field(0.1, ge=0, description="a suspicious partner's loss may exceed the larger of ours and "
-                              "our round start's by this fraction")
+                            "validation batch before mixing; reject it if worse than ours by val_margin")
+    val_margin: float = Field(0.1, ge=0, description="a suspicious partner's loss may exceed ours by this fraction")
     clip_penalty: float = Field(0.3, ge=0, le=1, description="a clipped partner's trust is multiplied by 1 - this")
     reject_penalty: float = Field(0.6, ge=0, le=1, description="a rejected partner's trust is multiplied by 1 - "
                                   "this")
@@ -140,20 +137,11 @@ class DistanceHistory:
             return Verdict("check", distance, tau, tau / distance)
         return Verdict("clip", distance, tau, tau / distance)
 
-    def after_check(self, v: Verdict, own_loss: float, partner_loss: float, start_loss: float | None = None
-                    ) -> Verdict:
-        """A "check" verdict settled by the losses on one local batch of our model (own), the partner's, and our
-        round's start (start: the outer anchor; None: not known). The partner may be worse than our model, but not
-        by more than val_margin past the larger of ours and the start's: while the loss falls fast, two honest
-        models a little apart differ by more than one round's progress. Measured in the 2-peer compose swarm (5 inner
-        steps a round): in round 7 an honest partner scored 3.35 against our 2.92, and against our model alone it
-        was rejected; the rejection made a solo round, the two drifted apart, and every later exchange was
-        rejected by distance too (4 ok exchanges in the first 10 rounds). A hostile model is worse than where we
-        were a round ago, not only worse than where we are."""
+    def after_check(self, v: Verdict, own_loss: float, partner_loss: float) -> Verdict:
+        """A "check" verdict settled by both models' loss on the same local batch."""
         if v.action != "check":
             return v
-        ref = own_loss if start_loss is None or not math.isfinite(start_loss) else max(own_loss, start_loss)
-        bound = ref * (1 + self.cfg.val_margin)
+        bound = own_loss * (1 + self.cfg.val_margin)
         if not math.isfinite(partner_loss) or partner_loss > bound:
             return Verdict("reject", v.distance, v.tau, 0.0, Code.DISTRUSTED,
                            f"partner's loss {partner_loss:.4g} on a local batch > {bound:.4g}")

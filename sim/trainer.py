@@ -111,8 +111,7 @@ class SimTrainer:
             v = self.guards[i].judge(relative_distance(own, t))
             if v.action == "check":
                 if len(t) == len(self.params[i]):
-                    v = self.guards[i].after_check(v, self._loss_at(own), self._loss_at(t),
-                                                   start_loss=self._loss_at(self.outers[i].anchor))
+                    v = self.guards[i].after_check(v, self._loss_at(own), self._loss_at(t))
                 else:  # NoLoCo's tensors are no model
                     v = Verdict("clip", v.distance, v.tau, v.scale)
             self.guards[i].record(v)

@@ -110,7 +110,9 @@ def pytest_sessionstart(session):
         _watch = SessionWatch()
 
 
-@pytest.hookimpl(tryfirst=True)
+# trylast: under pytest-xdist the controller's workers are our children until xdist's own sessionfinish shuts them
+# down; checking before that flagged the workers themselves as leaks
+@pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     if _watch is None:
         return

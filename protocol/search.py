@@ -167,9 +167,17 @@ class PartnerPolicy:
         the trust recovered (~30 s), the two drifted apart, and the guard rejected each other by distance from
         then on (the compose swarm of the docker test: 4 ok exchanges in 10 rounds). Its tensors still pass the
         guard, so a hostile only partner is clipped or rejected all the same."""
-        if self.trust is None or not self.trust.distrusted(peer, now):
-            return False
-        return live is None or any(q != peer and not self.trust.distrusted(q, now) for q in live)
+        return peer in self.turned_away({peer}, now, live)
+
+    def turned_away(self, peers: Collection[str], now: float, live: Collection[str] | None = None) -> set[str]:
+        """Those of `peers` that `distrusted` turns away, with one pass over `live` for all of them (the search
+        asks for every ready peer at each step)."""
+        if self.trust is None:
+            return set()
+        low = {q for q in peers if self.trust.distrusted(q, now)}
+        if low and live is not None and all(self.trust.distrusted(q, now) for q in live):
+            return set()  # nobody in sight to turn to instead
+        return low
 
     def declines(self, peer: str, rate: float, own_link: float, now: float) -> bool:
         """A caller arrives: answer it BUSY? In the first half of a picky search, because its link is much slower
@@ -255,7 +263,7 @@ class Search:
         trust = None
         if p.trust is not None:  # a repeat offender is not called until its trust recovers, and picked less often
             trust = p.trust.weights(sight.ready, now)
-            avoid |= {q for q in trust if p.distrusted(q, now, sight.live)}
+            avoid |= p.turned_away(trust.keys(), now, sight.live)
         partner = pick_partner(sight.ready, p.backoff, now, p.rng, weighted=r.bandwidth_weighting,
                                avoid=avoid | uncallable, trust=trust)
         if partner is not None:

@@ -576,8 +576,13 @@ class Network:
         if rec is None:
             log.debug("caller_refused peer=%s why=%s", pid, why)
             return False
-        self.membership.expirations[pid] = max(self.membership.expirations.get(pid, 0.0), member.expiration)
         self.signed.keep(pid, member)   # checked: we may pass it on with our hints of this caller
+        return self._join_view(peer_id, rec, member.expiration)
+
+    def _join_view(self, peer_id: PeerID, rec: PeerRecord, expiration: float) -> bool:
+        """A checked record joins our view until it expires; whether its peer is now a live, compatible member."""
+        pid = str(peer_id)
+        self.membership.expirations[pid] = max(self.membership.expirations.get(pid, 0.0), expiration)
         self._take({pid: rec})
         return self.is_member(peer_id)
 
@@ -592,12 +597,8 @@ class Network:
         if self.signed.has_offer(pid) and self.admission is not None:
             # a peer hinted at with its signed record: check the record (one RSA verification) instead of a get
             rec, _why = self.signed.check(pid, self.admission, get_dht_time())
-            if rec is not None:
-                self.membership.expirations[pid] = max(self.membership.expirations.get(pid, 0.0),
-                                                       self.signed.kept(pid).expiration)
-                self._take({pid: rec})
-                if self.is_member(peer_id):
-                    return True
+            if rec is not None and self._join_view(peer_id, rec, self.signed.kept(pid).expiration):
+                return True
         now = time.monotonic()
         if now - self._not_members.get(pid, -1e9) < NOT_MEMBER_CACHE_S:
             return False

@@ -115,9 +115,9 @@ class SwarmConfig(_Section):
                                      "none of our measured rates is that much slower, try peers we never "
                                      "exchanged with first; 0: off")
     slower_link_open_share: float = Field(0.25, ge=0, le=1, description="with slower_link_ratio: this share of "
-                                          "partner searches (drawn at random) passes over nobody, so peers on slow "
-                                          "links keep getting partners even when the fast ones always find each "
-                                          "other first")
+                                          "partner searches (spread evenly: every 1/share-th one) serves the "
+                                          "slower peers first, so peers on slow links keep getting partners even "
+                                          "when the fast ones always find each other first")
     join_from_peers: bool = Field(True, description="a peer joining a running swarm (and not resuming a "
                                   "checkpoint) downloads the current parameters from a live peer")
     join_donor_pool: int = Field(3, ge=1, description="a joiner picks its donor at random among this many live "

@@ -29,8 +29,8 @@ Rules (their reasons are in protocol/partners.py):
   keep waiting for its call;
 - pick among ready peers not in backoff, passing over our recent partners (while someone else is due within the
   first half of the window), and (with slower_link_ratio, in a "picky" search) peers on much slower links, for the
-  first half of the window; the other searches (slower_link_open_share) serve those slower peers first: while one
-  is ready in the first half, it is the one called, and other callers are answered BUSY;
+  first half of the window; the other searches (slower_link_open_share, every 1/share-th search) serve those slower
+  peers first: while one is ready in the first half, it is the one called, and other callers are answered BUSY;
 - BUSY from the partner: a short cooldown for it and a random pause for us (two peers that called each other at
   once both got BUSY); BUSY from our own side (our offer was taken meanwhile) costs the partner nothing;
   a timeout, failure or rejection: exponential backoff for that partner;
@@ -41,6 +41,7 @@ Rules (their reasons are in protocol/partners.py):
 from __future__ import annotations
 
 import collections
+import math
 import random
 import statistics
 from collections.abc import Collection, Mapping
@@ -102,6 +103,9 @@ class Sight:
     stopping: bool = False
     engaged_as_responder: bool = False
     training: Mapping[str, float] = field(default_factory=dict)
+    # live peers -> when (on the `now` clock) they entered the state they announce now; absent: unknown. Lifts a
+    # "no free offer" once the peer announced a new state after it (Search.gone)
+    entered: Mapping[str, float] = field(default_factory=dict)
 
     def coming(self, by: float) -> set[str]:
         """Peers that may still become ready for the round we are in: ready now, or training and expected ready
@@ -119,6 +123,9 @@ class PartnerPolicy:
         self.recent: collections.deque[str] = collections.deque(maxlen=avoid_recent)
         self.waits: collections.deque[float] = collections.deque(maxlen=rules.adaptive_samples)
         self.search: Search | None = None
+        # open-search credit (slower_link_open_share), from a random phase at the first search so that peers do
+        # not open in step (drawn then: with the rule off the RNG's draws are the same as without it)
+        self._open_credit: float | None = None
 
     def deadline_s(self) -> float:
         """How long a plain search may look for a partner: partner_deadline_s, or with rules.adaptive and enough
@@ -136,8 +143,18 @@ class PartnerPolicy:
         """A new round's search. `window_s`: an overlapped search's horizon (how long our next inner phase is
         expected to take); None for a plain round, which searches for partner_deadline_s."""
         r = self.rules
-        # a share of searches is open to every link (see SwarmConfig.slower_link_open_share)
-        picky = r.slower_link_ratio > 0 and self.rng.random() >= r.slower_link_open_share
+        # a share of searches is open to every link (see SwarmConfig.slower_link_open_share), spread evenly: the
+        # share is added up and a search opens each time the sum passes 1. Drawn at random per search, a fast peer
+        # of the e2e swarm (2 fast, 1 slow; 6 searches in 30 s) opened 1 of its 6 in one run and 0 of 6 in another,
+        # and the slow peer went without a partner for those 30 s
+        picky = r.slower_link_ratio > 0
+        if picky:
+            if self._open_credit is None:
+                self._open_credit = self.rng.random()
+            self._open_credit += r.slower_link_open_share
+            picky = self._open_credit < 1
+            if not picky:
+                self._open_credit -= 1
         self.search = Search(self, now, window_s, picky)
         return self.search
 
@@ -201,8 +218,9 @@ class Search:
     window_s: float | None
     picky: bool
     passed: set[str] = field(default_factory=set)  # ready peers passed over for being on much slower links
-    gone: set[str] = field(default_factory=set)    # answered that their offer is used or withdrawn: done with
-    #                                                this round (paired or solo); stale listings still show them ready
+    # answered that their offer is used or withdrawn -> when: done with the round they were in (paired, solo, or
+    # still computing), whatever a stale listing shows, until they announce a new state after that answer
+    gone_at: dict[str, float] = field(default_factory=dict)
     serving: set[str] = field(default_factory=set)  # a search that is not picky: the ready peers on much slower
     #                                                 links, served first (as of our last look)
 
@@ -221,9 +239,17 @@ class Search:
     def much_slower(self, rates: Mapping[str, float], own_link: float, now: float) -> set[str]:
         return slower_peers(own_link, rates, now - self.start, self.window_s, ratio=self.policy.rules.slower_link_ratio)
 
+    def gone(self, sight: Sight) -> set[str]:
+        """The peers whose "no free offer" still holds: none announced a state it entered after that answer. A
+        fast peer's rounds are shorter than a slow peer's search (e2e 3-peer swarm: 3-4 s against 10 s): marked
+        for the whole search, the slow peer gave up on both fast peers while they were computing and went solo
+        while they came back and paired with each other."""
+        return {q for q, t in self.gone_at.items() if sight.entered.get(q, -math.inf) <= t}
+
     def next(self, sight: Sight, now: float) -> Action:
         p, r = self.policy, self.policy.rules
-        coming = sight.coming(self.deadline) - self.gone
+        gone = self.gone(sight)
+        coming = sight.coming(self.deadline) - gone
         if (now >= self.deadline and (not self.overlapped or sight.cut)) or sight.stopping:
             if not sight.stopping and r.adaptive and not self.overlapped and coming:
                 # censored sample: someone was coming and did not make it; the estimate must be able to grow back
@@ -250,20 +276,23 @@ class Search:
         half = self.start + self.window_s / 2
         soon = {q for q in sight.live if q not in sight.training or sight.training[q] <= half}
         avoid = peers_to_avoid(p.recent, set(others) - slower, now - self.start, self.window_s, soon=soon)
-        avoid |= slower | self.gone
+        avoid |= slower | gone
         if explore:  # only unmeasured peers until one of them is ready or the first half is over
             avoid |= set(others) - explore
+        trust, turned = None, set()
+        if p.trust is not None:  # a repeat offender is not called until its trust recovers, and picked less often
+            trust = p.trust.weights(sight.ready, now)
+            turned = p.turned_away(trust.keys(), now, sight.live)
         if not self.picky and r.slower_link_ratio > 0:
             # a serving search (slower_link_open_share): the slow peers the picky ones pass over are called first.
             # Merely open, it served nobody: the fast peers of the e2e swarm (2 fast, 1 slow) become ready
             # together and paired at once, and the slow one got BUSY in 4 of its 6 rounds (fast-slow 1.5 of 15).
-            self.serving = (self.much_slower(rates, sight.own_link, now) & sight.ready.keys()) - self.gone
+            # Not one we turn away: serving a distrusted peer called nobody and declined everyone else for half
+            # the window (both fast peers waited 5 s a round there).
+            self.serving = (self.much_slower(rates, sight.own_link, now) & sight.ready.keys()) - gone - turned
             if self.serving:  # even one that was a recent partner: serving them is what this search is for
                 avoid = (avoid - self.serving) | (set(others) - self.serving)
-        trust = None
-        if p.trust is not None:  # a repeat offender is not called until its trust recovers, and picked less often
-            trust = p.trust.weights(sight.ready, now)
-            avoid |= p.turned_away(trust.keys(), now, sight.live)
+        avoid |= turned
         partner = pick_partner(sight.ready, p.backoff, now, p.rng, weighted=r.bandwidth_weighting,
                                avoid=avoid | uncallable, trust=trust)
         if partner is not None:
@@ -275,10 +304,11 @@ class Search:
     def called(self, peer: str, outcome: str, now: float, *, local: bool = False, gone: bool = False) -> float:
         """A call of ours did not succeed: record it; returns how long to wait (for an incoming exchange) before the
         next step. `local`: the BUSY came from our own side (our offer was taken meanwhile); `gone`: the partner's
-        BUSY said it has no free offer (it paired or gave up this round: not coming, whatever the listing says)."""
+        BUSY said it has no free offer (it paired, gave up or is not searching: not coming, whatever the listing
+        says, until it announces a new state; Search.gone)."""
         p = self.policy
         if gone:
-            self.gone.add(peer)
+            self.gone_at[peer] = now
         if outcome == "busy":
             if not local:
                 p.backoff.busy(peer, now)

@@ -366,6 +366,7 @@ class Supervisor:
                 child.popen.wait(max(0.0, child.term_sent_at + grace_s - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("child=%s ignored SIGTERM for %.0f s; sending SIGKILL", name, grace_s)
+                self.snapshot()  # a socket bound since the last watch would outlive the kill unrecorded
                 _killpg(child.pid, signal.SIGKILL)
                 child.popen.wait()
         # The leader is gone; the rest of its tree (DHT fork, p2pd - possibly in process groups of their own) gets

@@ -23,7 +23,8 @@ class SessionWatch:
     def __init__(self, interval_s: float = 1.0):
         self.root = os.getpid()
         self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start ticks, comm)
-        self.sockets: set[str] = set()
+        self.sockets: dict[str, str] = {}  # path -> who held it when first seen (pid, command, running test)
+        self.test = "-"  # the test running now (pytest_runtest_logstart), for the leak report
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(interval_s,), daemon=True, name="leak-watch")
         self._thread.start()
@@ -33,7 +34,10 @@ class SessionWatch:
         pids = descendants({self.root}, table)
         paths = unix_socket_paths()
         for pid in pids | {self.root}:
-            self.sockets |= {paths[i] for i in socket_inodes(pid) if i in paths and "hivemind" in paths[i]}
+            for i in socket_inodes(pid):
+                if i in paths and "hivemind" in paths[i] and paths[i] not in self.sockets:
+                    st = table.get(pid)
+                    self.sockets[paths[i]] = f"pid {pid} {st.comm if st else '?'}, during {self.test}"
         for pid in pids:
             st = table.get(pid)
             if st is not None and st.state not in ("Z", "X"):
@@ -67,7 +71,7 @@ class SessionWatch:
         stale = sorted(p for p in self.sockets if os.path.exists(p) and p not in self._bound())
         shm = self._shm()
         if stale:
-            problems.append(f"hivemind unix sockets left: {', '.join(stale)}")
+            problems.append(f"hivemind unix sockets left: {', '.join(f'{p} ({self.sockets[p]})' for p in stale)}")
         if shm:
             problems.append(f"/dev/shm files left: {', '.join(shm)}")
         for path in stale + shm:
@@ -108,6 +112,11 @@ def pytest_sessionstart(session):
     # tree holds the workers' children, and a worker that cleaned up its own leaks would hide them from it
     if "PYTEST_XDIST_WORKER" not in os.environ:
         _watch = SessionWatch()
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _watch is not None:
+        _watch.test = nodeid
 
 
 # trylast: under pytest-xdist the controller's workers are our children until xdist's own sessionfinish shuts them

@@ -124,14 +124,14 @@ class GossipAveraging:
 
     def _sight(self, cut: threading.Event | None) -> Sight:
         in_sight = self.net.in_sight()    # the peers we hold a record of, and those that peer exchange told us of
-        ex = self.exchanger
+        ex, now = self.exchanger, time.monotonic()
         # partner weights are our own measured rates with each peer: a record's bandwidth_bps is its owner's
         # claim (a Sybil announcing 1e30 would be picked whenever free), our measurement is a fact
         return Sight(live=in_sight, ready={p: ex.rate(p) for p in self.net.ready_peers()},
                      rates={p: ex.rate(p) for p in in_sight}, own_link=self.own_link(),
                      cut=cut is None or cut.is_set(), stopping=self.stopping.is_set(),
                      engaged_as_responder=(ex.engaged or "").startswith("responder"),
-                     training=self.net.ready_at(time.monotonic()),
+                     training=self.net.ready_at(now), entered=self.net.entered_at(now),
                      uncallable=self.net.uncallable())
 
     async def _average(self, sent: list[torch.Tensor], round: int, cut: threading.Event | None = None,

@@ -521,6 +521,12 @@ class Network:
             out[pid] = since + tokens / r.throughput_tps + offset if r.throughput_tps > 0 else now
         return out
 
+    def entered_at(self, now: float) -> dict[str, float]:
+        """Listed peers -> when they entered the state they announce, on the clock of `now` (monotonic). Their
+        claim, on their clock: a skewed one at worst costs one call more, or keeps a "no free offer" standing."""
+        offset = now - get_dht_time()
+        return {pid: since + offset for pid, (_, _, since) in self._entered.items()}
+
     def ready_peers(self) -> set[str]:
         """Compatible peers ready to exchange: listed as such (at most a refresh old), or heard of as ready from a
         peer we just exchanged headers with (peer exchange, protocol/buckets.py)."""

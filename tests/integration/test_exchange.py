@@ -434,9 +434,10 @@ def test_lane_streams_only_attach_with_their_token_peer_and_index():
                 _, reader, writer = await p2p.call_binary_stream_handler(a.peer_id, ea.lane_name)
                 ch = Channel.take_over(reader, writer)
                 await ch.write(encode_header(LaneHello(protocol_version=PROTOCOL_VERSION, **fields)))
-                try:        # a refused lane is closed by the responder: reading hits EOF at once
+                try:        # a refused lane is closed by the responder: reading hits EOF at once (or, as p2pd
+                    #         shows a close now and then, a reset or broken pipe: seen once on a loaded machine)
                     await asyncio.wait_for(ch.readexactly(1), 5)
-                except asyncio.IncompleteReadError:
+                except (asyncio.IncompleteReadError, ConnectionError):
                     return "closed"
                 finally:
                     ch.close()

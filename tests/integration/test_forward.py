@@ -135,8 +135,9 @@ def test_forwarded_streams_only_from_forwarders_we_attached_to():
             await rb.add_binary_stream_handler(f"{NS}::h", handler)
             # c claims to forward a stream from a made-up origin; b never attached to c
             _, reader, writer = await c.call_binary_stream_handler(b.peer_id, f"{NS}::gasloc.forwarded.v1")
-            await _send(writer, ForwardedHello(origin=str(c.peer_id), handler=f"{NS}::h"))
-            try:   # closed on us (p2pd shows the close as an EOF or as a reset), nothing dispatched
+            try:   # closed on us (p2pd shows the close as an EOF or as a reset, even while we still send: seen once
+                #   under pytest-xdist), nothing dispatched
+                await _send(writer, ForwardedHello(origin=str(c.peer_id), handler=f"{NS}::h"))
                 assert await asyncio.wait_for(reader.read(), 5) == b""
             except ConnectionResetError:
                 pass

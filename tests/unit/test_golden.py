@@ -2,8 +2,11 @@
 
 Two seeded runs are committed in tests/golden/: a short simulator run of each algorithm (validation losses per
 evaluation, as the float's repr) and a seeded sequence of outer updates (a checksum of the parameters and the outer
-state after every step). Both run on one torch thread, so the reduction order - and with it every bit - is the same
-on any machine of one CPU architecture. `WRITE_GOLDEN=1 pytest tests/unit/test_golden.py` rewrites the files on
+state after every step). Both run on one torch thread, so the reduction order is fixed. The outer updates
+(elementwise) are compared bit for bit. The simulator's losses go through the model's matmuls, whose CPU kernels
+differ between CPU models of one architecture: the files written on the team's Intel machines and read on an AMD
+EPYC differed in the 7th digit (2.8889119625 against 2.8889122009 after 15 s of simulated training), so those are
+compared to 1e-5 relative; a change of the math moves them by far more. `WRITE_GOLDEN=1 pytest tests/unit/test_golden.py` rewrites the files on
 purpose (say why in the commit: a change of the math, of torch, or of the seeds).
 """
 from __future__ import annotations
@@ -48,7 +51,8 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def check_or_write(name: str, got: dict) -> None:
+def check_or_write(name: str, got: dict, close: bool = False) -> None:
+    """`close`: floats (written as repr strings) within 1e-5 relative instead of bit for bit; the rest exact."""
     path = GOLDEN / f"{name}.json"
     if os.environ.get("WRITE_GOLDEN") == "1":
         GOLDEN.mkdir(exist_ok=True)
@@ -56,7 +60,19 @@ def check_or_write(name: str, got: dict) -> None:
         return
     assert path.is_file(), f"{path} missing: run with WRITE_GOLDEN=1 once"
     want = json.loads(path.read_text())
-    assert got == want, f"{name} differs from {path.name} (bit for bit); WRITE_GOLDEN=1 rewrites it on purpose"
+    if close:
+        got, want = _floats(got), _floats(want, approx=True)
+    assert got == want, (f"{name} differs from {path.name} ({'to 1e-5' if close else 'bit for bit'}); "
+                         "WRITE_GOLDEN=1 rewrites it on purpose")
+
+
+def _floats(tree, approx: bool = False):
+    """The tree with every repr'd float parsed (as a pytest.approx within 1e-5 relative with `approx`)."""
+    if isinstance(tree, dict):
+        return {k: _floats(v, approx) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_floats(v, approx) for v in tree]
+    return pytest.approx(float(tree), rel=1e-5, abs=1e-9) if approx else float(tree)
 
 
 @pytest.mark.timeout(120)
@@ -65,7 +81,7 @@ def test_simulator_losses(one_thread):
     for name, over in RUNS.items():
         r = run(resolve(SimConfig, flags={**SIM, **over}, environ={}))
         got[name] = [[repr(e["sim_time_s"]), repr(e["val_loss_mean"]), repr(e["consensus"])] for e in r["evals"]]
-    check_or_write("sim", got)
+    check_or_write("sim", got, close=True)
 
 
 def _checksum(tensors) -> str:

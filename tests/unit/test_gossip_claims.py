@@ -30,6 +30,9 @@ class _Net:
     def ready_at(self, now):
         return {}  # nobody training: every peer here announces "exchanging"
 
+    def entered_at(self, now):
+        return {}  # no "no free offer" answers here to lift
+
     def uncallable(self):
         return set()  # everyone is directly reachable here (NAT: protocol/reach.py)
 

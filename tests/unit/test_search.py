@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from gasloc.protocol.guard import GuardConfig, TrustBook, Verdict
 from gasloc.protocol.partners import Backoff
 from gasloc.protocol.search import Call, Finish, PartnerPolicy, SearchRules, Sight, Wait
 
@@ -157,7 +158,10 @@ def test_open_share_makes_some_searches_open_to_every_link():
     rules = SearchRules(slower_link_ratio=3.0, slower_link_open_share=0.5)
     p = policy(rules, seed=3)
     picky = [p.begin(0.0).picky for _ in range(400)]
-    assert 0.4 < sum(picky) / len(picky) < 0.6
+    assert sum(picky) == 200 and all(a != b for a, b in zip(picky, picky[1:]))  # every other one, not by chance
+    quarter = [policy(SearchRules(slower_link_ratio=3.0, slower_link_open_share=0.25), seed=s) for s in range(2)]
+    opened = [[not q.begin(0.0).picky for _ in range(12)] for q in quarter]
+    assert [sum(o) for o in opened] == [3, 3] and opened[0] != opened[1]  # 3 of 12, peers out of step
     assert not any(policy(RULES).begin(0.0).picky for _ in range(10))  # ratio 0: the rule is off
 
 
@@ -179,6 +183,34 @@ def test_a_search_that_is_not_picky_serves_the_slower_peers_first():
     # no slow peer ready: nothing to serve, anyone ready is taken
     s2 = p.begin(1.0)
     assert s2.next(sight({"fast", "slow"}, {"fast"}, **see), 1.1) == Call("fast")
+
+
+def test_a_serving_search_does_not_serve_a_slow_peer_it_turns_away():
+    """The slow peer was rejected once (trust below busy_below): a search left open serves nobody, so the fast
+    peer is called at once and not declined; before, it served the distrusted peer, which it never called, and
+    declined the other fast peer for half the window (e2e 3-peer swarm: both fast peers waited 5 s a round)."""
+    p = PartnerPolicy(SearchRules(partner_deadline_s=10.0, slower_link_ratio=3.0, slower_link_open_share=1.0),
+                      Backoff(2.0, 60.0, 0.5), avoid_recent=3, rng=random.Random(0), trust=TrustBook(GuardConfig()))
+    p.judged("slow", Verdict("reject", 1.0, 0.1, 0.0), 0.0)
+    s = p.begin(1.0)
+    see = dict(rates={"fast": 30e6, "slow": 3e6}, own_link=30e6)
+    assert s.next(sight({"fast", "slow"}, {"fast", "slow"}, **see), 1.1) == Call("fast")
+    assert not s.serving and not p.declines("fast", 30e6, 30e6, 1.2)
+
+
+def test_no_free_offer_holds_until_the_peer_announces_a_new_state():
+    """A fast peer answered "no free offer" (it was computing, or paired): not called while the listing shows the
+    state it was in when it answered; once it announces a state entered after the answer (training again, then
+    exchanging: a fast round is shorter than a slow peer's search) it is waited for and called."""
+    s = policy(ADAPT).begin(0.0)
+    assert s.next(sight({"fast"}, {"fast"}, entered={"fast": -3.0}), 0.0) == Call("fast")
+    s.called("fast", "busy", 0.1, gone=True)
+    assert s.next(sight({"fast"}, {"fast"}, entered={"fast": -3.0}), 0.5) == Finish("nobody coming")
+    s = policy(ADAPT).begin(0.0)
+    s.called("fast", "busy", 0.1, gone=True)
+    # training since 1.0 and due at 2.0: coming, so waited for
+    assert isinstance(s.next(sight({"fast"}, training={"fast": 2.0}, entered={"fast": 1.0}), 1.1), Wait)
+    assert s.next(sight({"fast"}, {"fast"}, entered={"fast": 2.0}), 2.1) == Call("fast")
 
 
 def test_bandwidth_weighting_prefers_the_faster_announcement():

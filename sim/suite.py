@@ -273,6 +273,17 @@ def h20_tuning_suite(name: str, *, workers: int, base: dict, b: dict, settings: 
     return Suite(name, base, runs, [], notes)
 
 
+def h20_variants_suite(name: str, *, workers: int, base: dict, b: dict, variants: dict[str, dict],
+                       notes: list[str]) -> Suite:
+    """Claim (b)'s GASLoC run with one change each (`variants`: name -> dotted overrides), beside DiLoCo: what
+    else might close the gap at H = 20 (form, mix momentum with gamma and eta, GASLoC's own inner lr). No claims."""
+    b = {"workers": workers, **b}
+    runs = [RunSpec("diloco", {**b, "outer.algorithm": "diloco"})]
+    runs += [RunSpec(v, {**b, "topology": "random", "outer.algorithm": "gasloc", **over})
+             for v, over in variants.items()]
+    return Suite(name, base, runs, [], notes)
+
+
 # ---- running --------------------------------------------------------------------------------------------------
 
 def _config(suite: Suite, spec: RunSpec, extra: dict | None = None):
@@ -450,6 +461,17 @@ SUITES: dict[str, Suite] = {
         settings=[(0.7, 0.7), (0.7, 0.5), (0.5, 0.5)],
         notes=["claim (b)'s setup (8 workers, tiny preset, H = 20, inner lr 2e-3, 30 rounds, random, uniform links, "
                "schedule live): GASLoC's (gamma, eta) against DiLoCo; default-noguard: the default row, guard off"]),
+    # claim (b)'s GASLoC with one change each (docs/sim-results.md "H = 20: form B, mix momentum, inner lr")
+    "tune-h20-mix": h20_variants_suite(
+        "tune-h20-mix", workers=8, base=PAPER_BASE, b={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3,
+                                                       "inner.lr": 2e-3},
+        variants={"default": {}, "form-B": {"outer.form": "B"},
+                  "g0.7-e0.7-k0.5": {"outer.momentum": 0.7, "outer.outer_lr": 0.7, "outer.mix_momentum": 0.5},
+                  "g0.9-e0.7-k0.5": {"outer.momentum": 0.9, "outer.outer_lr": 0.7, "outer.mix_momentum": 0.5},
+                  "g0.9-e0.5-k0.5": {"outer.momentum": 0.9, "outer.outer_lr": 0.5, "outer.mix_momentum": 0.5},
+                  "lr1e-3": {"inner.lr": 1e-3}},
+        notes=["claim (b)'s setup (8 workers, tiny preset, H = 20, inner lr 2e-3, 30 rounds, random, uniform links, "
+               "schedule live); each GASLoC run changes one thing against the defaults"]),
     "tune-h20-smoke": h20_tuning_suite(
         "tune-h20-smoke", workers=4, base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2,
                                            "data.val_batches": 1, "inner.warmup_steps": 2},

@@ -180,3 +180,17 @@ def test_tune_h20_suite_sweeps_gasloc_against_diloco_on_claim_bs_setup():
     assert (cfgs["g0.7-e0.5"].outer.momentum, cfgs["g0.7-e0.5"].outer.outer_lr) == (0.7, 0.5)
     assert cfgs["g0.7-e0.5"].guard.enabled and not cfgs["default-noguard"].guard.enabled
     assert cfgs["default-noguard"].topology == "random"
+
+
+def test_tune_h20_mix_suite_changes_one_thing_per_gasloc_run():
+    from gasloc.sim.suite import SUITES, _config
+    suite = SUITES["tune-h20-mix"]
+    cfgs = {s.name: _config(suite, s) for s in suite.runs}
+    for name, c in cfgs.items():
+        assert (c.inner.inner_steps, c.rounds, c.schedule) == (20, 30, "live"), name
+        assert c.inner.lr == (1e-3 if name == "lr1e-3" else 2e-3), name
+    d, b, k = cfgs["default"].outer, cfgs["form-B"].outer, cfgs["g0.9-e0.5-k0.5"].outer
+    assert (d.form, d.gamma, d.eta, d.mix_momentum) == ("C", 0.7, 0.7, 1.0)
+    assert (b.form, b.gamma, b.eta) == ("B", 0.7, 0.7)
+    assert (k.gamma, k.eta, k.mix_momentum) == (0.9, 0.5, 0.5)
+    assert cfgs["lr1e-3"].outer == cfgs["default"].outer and cfgs["default"].topology == "random"

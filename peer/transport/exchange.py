@@ -338,7 +338,14 @@ class Exchanger:
         if offer.used or self._engagement is not None:
             why = "our offer was already used this round" if offer.used else f"we are engaged ({self._engagement})"
             return result(Outcome.busy, Code.BUSY, f"local: {why}")
-        if not await _maybe_await(self.is_member(peer_id)):
+        # the membership lookup is part of the call and within its deadline: a DHT get that asks a frozen node
+        # waits out that node's RPC timeout (seen: 4.0 s against a 2.5-s exchange deadline, e2e frozen-peer test)
+        try:
+            member = await asyncio.wait_for(_maybe_await(self.is_member(peer_id)), self.cfg.exchange_timeout_s)
+        except asyncio.TimeoutError:
+            return result(Outcome.rejected, Code.NOT_MEMBER,
+                          "local: partner's membership not confirmed within exchange_timeout_s")
+        if not member:
             return result(Outcome.rejected, Code.NOT_MEMBER, "local: partner is not a live member")
         eng = self._engagement = _Engagement("initiator", partner, asyncio.current_task())
         me = self._me()

@@ -225,6 +225,14 @@ def test_garbage_requests_get_codes_and_change_nothing():
             ec.offer(tensors(3), 0)
             res = await ec.exchange(a.peer_id)
             assert res.outcome is Outcome.rejected and res.code == Code.NOT_MEMBER
+            # a membership lookup that hangs (a DHT get asking a frozen node) ends at the exchange's deadline
+            async def hangs(peer_id):
+                await asyncio.sleep(60)
+            ed = Exchanger(ExchangeConfig(exchange_timeout_s=1.0, accept_timeout_s=1.0), c, specs=[(s, torch.float32) for s in SHAPES],
+                           fingerprint=FP, is_member=hangs, namespace=NS)
+            ed.offer(tensors(4), 0)
+            res = await ed.exchange(a.peer_id)
+            assert res.code == Code.NOT_MEMBER and "not confirmed" in res.detail and res.seconds < 2.0, res
     arun(main())
 
 

@@ -1,6 +1,7 @@
 """runtime/dht_pipe.py: the DHT control pipe passes the MPFuture result pipe by reference, not as a descriptor
 through multiprocessing's resource sharer (a socket handshake per DHT call); anything else pickles as before."""
 import multiprocessing as mp
+import pickle
 
 import pytest
 
@@ -30,5 +31,5 @@ def test_a_plain_unpickler_cannot_make_up_the_reference():
     r, w = mp.Pipe(duplex=False)
     _sr, sender = mp.Pipe(duplex=False)
     FuturePipe(w, sender).send([sender])
-    with pytest.raises(Exception):   # pickle.UnpicklingError: a reference needs the receiving FuturePipe
+    with pytest.raises(pickle.UnpicklingError):   # a reference needs the receiving FuturePipe
         r.recv()

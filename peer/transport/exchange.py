@@ -342,7 +342,7 @@ class Exchanger:
         # waits out that node's RPC timeout (seen: 4.0 s against a 2.5-s exchange deadline, e2e frozen-peer test)
         try:
             member = await asyncio.wait_for(_maybe_await(self.is_member(peer_id)), self.cfg.exchange_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return result(Outcome.rejected, Code.NOT_MEMBER,
                           "local: partner's membership not confirmed within exchange_timeout_s")
         if not member:

@@ -11,7 +11,7 @@ key, parsed by `parse_listing` in both cases; peer exchange is the peer's `HintB
 What is modelled, not run: the members themselves. Each has a fixed record: "exchanging" (ready) for
 round(`--ready-share` x N) of them, drawn at random, else "training". A call to a ready member finds it free with
 probability 1 - `--busy-share` (it may have paired meanwhile), after `--call-s` (a handshake); a busy member
-answers with the hints a peer holding two buckets of records would send (`pick_hints` over them) and, with
+answers with the hints a peer holding two listings' buckets would send (`pick_hints` over them) and, with
 `--signed-hints` (the live peer), the signed records of the first 4 of them, as its bucket reads kept them
 (`SignedRecords.attach`); the searcher checks such a record with the peer's `Admission` before it calls that peer,
 instead of looking it up (`finds`). The callee's membership check of the searcher
@@ -21,7 +21,8 @@ CPU (reported apart: `callee_cpu_ms_per_round`), no DHT read; with `--callee-che
 records, a `find` of the searcher's record in its bucket from another DHT node, counted in the searcher's bytes.
 
 One search (one round of a searching peer):
-  buckets     list one bucket of our level (the background refresh a round sees); while no ready peer is in
+  buckets     list one bucket of the level below ours (`listing_level`, as the live listing does: the
+              background refresh a round sees); while no ready peer is in
               sight, another bucket after listing_interval_s (0.3 s, doubling); call a ready peer from the
               listing or from hints (a hinted peer's handed record is checked first, `hint_checks`; without
               one it is looked up, one get, `finds`), until one is free or --deadline-s passes
@@ -271,15 +272,17 @@ class Bench:
 
     # ------------------------------------------------------------------ one search, bucketed
     def _callee_reply(self, truth: dict[str, str], by_bucket: dict[int, list[str]], level: int, callee: str):
-        """What a busy member tells us: pick_hints over the records a peer holds (two buckets of its level), and
+        """What a busy member tells us: pick_hints over the records a peer holds (two buckets of the level its
+        listings read, `listing_level`), and
         the signed records of those it names (the live Network.members_for: SignedRecords.attach, at most 4, in
         the hints' order, ready ones first), as its bucket reads kept them."""
         from hivemind.utils.timed_storage import get_dht_time
 
         from gasloc.peer.swarm.signed_hints import SignedRecords
-        from gasloc.protocol.buckets import HintBook, bucket_of, pick_hints
+        from gasloc.protocol.buckets import HintBook, bucket_of, listing_level, pick_hints
 
-        mine = {bucket_of(callee, level), self.rng.randrange(1 << level)}
+        lv = listing_level(level)
+        mine = {bucket_of(callee, lv), self.rng.randrange(1 << lv)}
         view = {p: (truth[p], 10) for b in mine for p in by_bucket.get(b, [])}
         hints = pick_hints(view, HintBook(callee), time.monotonic(), exclude=(callee,), rng=self.rng)
         held = SignedRecords()
@@ -398,7 +401,7 @@ class Bench:
     # ------------------------------------------------------------------ one N, both designs
     async def measure(self, run_id: str, n: int) -> list[dict]:
         from gasloc.peer.swarm.membership import BucketReader, Membership, make_validators, peer_id_of
-        from gasloc.protocol.buckets import bucket_of, level_for
+        from gasloc.protocol.buckets import bucket_of, level_for, listing_level
 
         o = self.o
         from gasloc.peer.swarm.admission import Admission
@@ -413,9 +416,9 @@ class Bench:
         truth = await self.populate(run_id, n)
         populate_s = time.monotonic() - t0
         me = peer_id_of(self.searcher_signer.local_public_key)
-        by_bucket: dict[int, list[str]] = {}          # the members' buckets, for the modelled callees' views
-        for p in truth:
-            by_bucket.setdefault(bucket_of(p, level_for(n)), []).append(p)
+        by_bucket: dict[int, list[str]] = {}          # the members' buckets of the level listings read, for the
+        for p in truth:                               # modelled callees' views
+            by_bucket.setdefault(bucket_of(p, listing_level(level_for(n))), []).append(p)
         own = Membership(self.searcher, self.searcher_signer, run_id=run_id, peer_id=me, fingerprint="bench",
                          protocol=1, ttl_s=o["ttl_s"], request_timeout_s=30.0, rng=random.Random(o["seed"]))
         # bucket reads keep their records' signatures, as the live peer's do (Network sets the same sink), so

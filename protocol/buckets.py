@@ -4,10 +4,11 @@ estimate, which buckets to read, and peer exchange (hints of recently seen live 
 
 Layout. A record lives in bucket `bucket_of(peer_id, level)` of level `level`, one of 2**level buckets. A peer picks
 its level from its swarm-size estimate (`level_for`: about BUCKET_TARGET records per bucket) and stores its record
-in its bucket of that level and of the level below (`writer_levels`). Readers read buckets of their own level, so
-a reader whose estimate is up to twice a writer's still finds the writer's record; a reader whose estimate is lower
-reads the level below, where everyone of its level or one above has a copy. Estimates differ by little: each comes
-from the same buckets' counts, smoothed, with hysteresis on the level.
+in its bucket of that level and of the level below (`writer_levels`). A listing reads a bucket of the level below
+the reader's own (`listing_level`), which holds the copies of every writer of the reader's level and of the level
+below: about 2 x BUCKET_TARGET records, so a reader whose estimate is up to twice a writer's still finds the
+writer's record. Estimates differ by little: each comes from the same buckets' counts, smoothed, with hysteresis on
+the level.
 
 Estimate. A bucket of level L read whole with n records says the swarm holds about n * 2**L peers (the hash spreads
 peer ids evenly); `SizeEstimate` keeps the median of the last few such samples.
@@ -59,6 +60,14 @@ def level_for(estimate: float, current: int | None = None) -> int:
 def writer_levels(level: int) -> list[int]:
     """Where a peer of `level` stores its record: its own level and the one below (readers one level down)."""
     return [level, level - 1] if level > 0 else [0]
+
+
+def listing_level(level: int) -> int:
+    """The level whose buckets a reader of `level` lists: the one below its own, where each bucket holds the
+    copies of two buckets of its level (about 2 x BUCKET_TARGET records). A get costs mostly per DHT node asked,
+    not per record (twice the records: about 14 % more CPU in one measurement, docs/scale-results.md), while a bucket of 8 shows nobody
+    ready 43 % of the time when 10 % are, and each such listing is one more get; a bucket of 16, 19 %."""
+    return max(0, level - 1)
 
 
 def lookup_levels(level: int) -> list[int]:

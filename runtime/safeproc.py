@@ -24,6 +24,7 @@ import threading
 
 import hivemind
 
+from gasloc.runtime.dht_pipe import FuturePipe
 from gasloc.runtime.procs import set_pdeathsig
 
 
@@ -69,11 +70,21 @@ class DiesWithParent:
 
 
 class SafeDHT(DiesWithParent, hivemind.DHT):
-    """hivemind.DHT whose background process is killed with the peer."""
+    """hivemind.DHT whose background process is killed with the peer, and whose control pipe hands each call's
+    result pipe over by reference (runtime/dht_pipe.py: no socket handshake per DHT call)."""
 
     def __init__(self, *args, p2pd_flags: dict[str, str] | None = None, **kwargs):
         self._p2pd_flags = dict(p2pd_flags or {})
         super().__init__(*args, **kwargs)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        # before the fork: the child inherits both wrapped ends and the result pipe they refer to (the one every
+        # MPFuture of this process sends its result on; hivemind's __init__ made `_ready` with it)
+        sender = self._ready._sender_pipe
+        if not isinstance(self._outer_pipe, FuturePipe):
+            self._outer_pipe = FuturePipe(self._outer_pipe, sender)
+            self._inner_pipe = FuturePipe(self._inner_pipe, sender)
+        super().run_in_background(await_ready=await_ready, timeout=timeout)
 
     def run(self) -> None:
         if self._p2pd_flags:

@@ -57,6 +57,7 @@ from gasloc.protocol.buckets import (
     bucket_of,
     buckets_to_read,
     level_for,
+    listing_level,
     lookup_levels,
     writer_levels,
 )
@@ -423,15 +424,15 @@ class BucketReader:
         log.debug("membership_probe estimate=%.0f level=%d", self.estimate.value, self.level)
         return out
 
-    async def listing(self, count: int | None = None) -> dict[str, PeerRecord] | None:
-        """`count` random buckets of our level (default: one, or both of level 1: a small swarm is read whole),
-        others than the last ones read. An empty answer from a level above 0 sends us to `probe`: the swarm
-        shrank, or our level is off."""
-        if count is None:
-            count = 1 if self.level > 1 else 1 << self.level
-        picks = buckets_to_read(self.level, count, self.rng, skip=self._recent)
-        self._recent = (self._recent + picks)[-max(1, (1 << self.level) // 2):]
-        found = await self.read([(self.level, b) for b in picks])
+    async def listing(self, count: int = 1) -> dict[str, PeerRecord] | None:
+        """`count` random buckets of the level below ours (`listing_level`: each holds the copies of two of our
+        level's buckets; at level 0 or 1 the one bucket of level 0 is the whole swarm), others than the last
+        ones read. An empty answer from a level above 0 sends us to `probe`: the swarm shrank, or our level is
+        off."""
+        lv = listing_level(self.level)
+        picks = buckets_to_read(lv, count, self.rng, skip=self._recent)
+        self._recent = (self._recent + picks)[-max(1, (1 << lv) // 2):]
+        found = await self.read([(lv, b) for b in picks])
         if found is not None and not found and self.level > 0:
             return await self.probe()
         return found

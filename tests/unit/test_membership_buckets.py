@@ -122,10 +122,34 @@ def test_listings_cover_other_buckets_and_an_empty_level_sends_the_reader_to_pro
     seen = set()
     for _ in range(8):
         seen |= set(asyncio.run(reader.listing()) or {})
-    assert len(seen) > 60            # eight listings of one bucket each: most of the eight buckets
+    assert len(seen) > 60            # eight listings of one bucket of level 2 each: most of its four buckets
     lost = BucketReader(dht, run_id=RUN, rng=random.Random(5))
     lost.level = 8                   # an estimate far too high: its buckets are empty
     assert len(asyncio.run(lost.listing())) > 0 and lost.level in (2, 3, 4)
+
+
+def test_a_listing_reads_one_bucket_of_the_level_below_with_the_writers_of_ours_and_the_one_below(signers):
+    dht = FakeDHT()
+    ours = [_member(dht, s, level=4) for s in signers[:120]]
+    lower = [_member(dht, s, level=3) for s in signers[120:]]     # writers whose estimate is half ours
+    for m in ours + lower:
+        assert _announce(m)
+    reader = BucketReader(dht, run_id=RUN, rng=random.Random(7))
+    reader.level = 4
+    listed = asyncio.run(reader.listing())
+    assert len(dht.gets) == 1 and dht.gets[0].startswith(f"{RUN}_m3_")      # one get, of level 3
+    b = int(dht.gets[0].rsplit("_", 1)[1])
+    want = {m.peer_id for m in ours + lower if bucket_of(m.peer_id, 3) == b}
+    assert set(listed) == want and any(m.peer_id in want for m in lower)
+    assert len(want) > BUCKET_TARGET      # twice the records of one bucket of our level (~7.5 here)
+    # level 1: the one bucket of level 0 is the whole swarm, one get (before: both buckets of level 1)
+    small = FakeDHT()
+    few = [_member(small, s, level=1) for s in signers[:20]]
+    for m in few:
+        assert _announce(m)
+    reader = BucketReader(small, run_id=RUN)
+    reader.level = 1
+    assert set(asyncio.run(reader.listing())) == {m.peer_id for m in few} and small.gets == [f"{RUN}_m0_0"]
 
 
 def test_legacy_records_under_the_single_key_are_found(signers):

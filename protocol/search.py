@@ -29,7 +29,8 @@ Rules (their reasons are in protocol/partners.py):
   keep waiting for its call;
 - pick among ready peers not in backoff, passing over our recent partners (while someone else is due within the
   first half of the window), and (with slower_link_ratio, in a "picky" search) peers on much slower links, for the
-  first half of the window; the other searches (slower_link_open_share, every 1/share-th search) serve those slower
+  first half of the window (while it cannot tell link classes apart yet, a picky search calls only peers it never
+  exchanged with, and answers the others BUSY); the other searches (slower_link_open_share, every 1/share-th search) serve those slower
   peers first: while one is ready in the first half, it is the one called, and other callers are answered BUSY;
 - BUSY from the partner: a short cooldown for it and a random pause for us (two peers that called each other at
   once both got BUSY); BUSY from our own side (our offer was taken meanwhile) costs the partner nothing;
@@ -203,8 +204,14 @@ class PartnerPolicy:
         s = self.search
         if s is None:
             return False
+        first_half = now - s.start < s.window_s / 2
         if not s.picky:
-            return bool(s.serving) and peer not in s.serving and now - s.start < s.window_s / 2
+            return bool(s.serving) and peer not in s.serving and first_half
+        if s.exploring and peer not in s.exploring and first_half:
+            # exploring, we call only peers we never measured; accepting a measured caller would undo that: the
+            # slow peer of the e2e swarm (2 fast, 1 slow), which calls everyone, took each fast peer in turn for
+            # its 11-s exchanges, the fast peers never met, and nobody was ever passed over (CI, 4 rounds of 60 s)
+            return True
         if not s.slower({peer: rate}, own_link, now):
             return False
         s.passed.add(peer)
@@ -223,6 +230,8 @@ class Search:
     gone_at: dict[str, float] = field(default_factory=dict)
     serving: set[str] = field(default_factory=set)  # a search that is not picky: the ready peers on much slower
     #                                                 links, served first (as of our last look)
+    exploring: set[str] = field(default_factory=set)  # a picky search that cannot tell link classes apart yet: the
+    #                                                   unmeasured peers it calls first (as of our last look)
 
     def __post_init__(self) -> None:
         r = self.policy.rules
@@ -268,8 +277,8 @@ class Search:
         others = [q for q in sight.live if not p.backoff.blocked(q, now) and q not in uncallable]
         rates = {q: sight.rates.get(q, 0.0) for q in others}
         slower = self.slower(rates, sight.own_link, now)
-        explore = (peers_to_explore(sight.own_link, rates, now - self.start, self.window_s,
-                                    ratio=r.slower_link_ratio) if self.picky else set())
+        explore = self.exploring = (peers_to_explore(sight.own_link, rates, now - self.start, self.window_s,
+                                                     ratio=r.slower_link_ratio) if self.picky else set())
         self.passed |= slower & sight.ready.keys()
         # a recent partner is passed over only while someone else we would take is due in the first half (a live
         # peer in neither state, e.g. joining, has no estimate: it may be, as Sight.training's unknowns)

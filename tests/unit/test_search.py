@@ -148,10 +148,20 @@ def test_slower_link_rule_passes_over_slow_peers_in_the_first_half_and_declines_
 
 
 def test_slower_link_rule_explores_unmeasured_peers_first_until_it_can_tell_classes_apart():
-    s = policy(SLOW).begin(0.0)
-    rates = {"met": 30e6, "new": 0.0}
-    assert s.next(sight({"met", "new"}, {"met"}, rates=rates, own_link=30e6), 1.0) == Wait(0.25)
-    assert s.next(sight({"met", "new"}, {"met", "new"}, rates=rates, own_link=30e6), 1.0) == Call("new")
+    """While exploring, a measured peer is neither called nor accepted in the first half: the slow peer of the e2e
+    swarm (it calls everyone) otherwise took each fast peer in turn and the fast ones never met (CI)."""
+    p = policy(SLOW)
+    s = p.begin(0.0)
+    rates = {"met": 3e6, "new": 0.0}
+    assert s.next(sight({"met", "new"}, {"met"}, rates=rates, own_link=3e6), 1.0) == Wait(0.25)
+    assert p.declines("met", 3e6, 3e6, 1.5) and not p.declines("new", 0.0, 3e6, 1.5)
+    assert not p.declines("met", 3e6, 3e6, 6.0)  # second half: anyone
+    assert s.next(sight({"met", "new"}, {"met", "new"}, rates=rates, own_link=3e6), 1.0) == Call("new")
+    # once a slower class is in sight, exploring is over: the slower-link rule decides alone
+    s2 = p.begin(10.0)
+    told = {"met": 3e6, "fast": 30e6, "new": 0.0}
+    assert s2.next(sight({"met", "fast", "new"}, {"fast"}, rates=told, own_link=30e6), 10.5) == Call("fast")
+    assert not s2.exploring and not p.declines("new", 0.0, 30e6, 10.6)
 
 
 def test_open_share_makes_some_searches_open_to_every_link():

@@ -286,9 +286,11 @@ def make_validators(run_id: str, identity: RSAPrivateKey | None = None) -> tuple
 
 
 # A get of a bucket asks the nearest GET_BEAM nodes, not hivemind's default beam of 20: a store writes to the 5
-# nearest (hivemind's num_replicas), so those hold every copy, and each further node is one more RPC, parsed and
-# checked in our DHT process and carried by our p2pd (bench/scale.py measures what a listing costs)
-GET_BEAM = 5
+# nearest (hivemind's num_replicas), so the 3 nearest a reader sees are among them unless its view and the writer's
+# differ by more than two nodes, and every node asked is one more RPC, parsed and checked in our DHT process and
+# carried by our p2pd: 3 instead of 5 cut a listing's CPU by about a third (bench/scale.py, docs/scale-results.md).
+# A single DHT node cannot hide a record from three: the answers are merged, and every record is signed
+GET_BEAM = 3
 # Our DHT node pushes no result of a get to the nearest node that lacked it (hivemind's cache_nearest=1): that is
 # Kademlia's remedy for hot keys, and bucket keys are not hot; it cost one more store RPC per get, and a holder
 # answers from such a cached snapshot in place of its own storage when the snapshot's expiration is later

@@ -53,7 +53,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LIST_PERIOD_S = 10.0  # the slow background refresh, one bucket (a search lists more, with backoff: gossip.py)
+LIST_IDLE_S = 60.0  # a swarm read a bucket at a time is listed when a search starts; between searches at most
+                   # this often (a peer with long rounds keeps its view, estimate and forwarders current)
+SEARCH_FRESH_S = 1.0  # a search that starts within this long of the last listing lists no more than that one
 LEGACY_CHECK_S = 30.0  # how often the single key of the older layout is checked for peers of an older gasloc
 NOT_MEMBER_CACHE_S = 5.0  # a caller whose record we did not find is not looked up again for this long
 REPROBE_CHECK_S = 5.0  # how often a running peer with reachability auto looks at its dialable addresses (one
@@ -62,11 +64,13 @@ JOIN_RELIST_S = 0.5  # a joiner whose first listing was empty lists again at thi
 
 
 def list_period_s(level: int, ttl_s: float) -> float:
-    """Seconds between background listings. A swarm read whole each time (level 0 or 1) is re-read before what we
-    read expires (announce_ttl_s / 3). A larger one is read a random bucket at a time, and the next refresh reads
-    another bucket anyway, so a pace above LIST_PERIOD_S only costs gets (one is ~10 ms of CPU at 1,000 members,
-    bench/scale.py): at the default 15 s TTL, ttl / 3 would be 2.4 background gets per 12-s round instead of 1.2."""
-    return min(LIST_PERIOD_S, ttl_s / 3) if level <= 1 else LIST_PERIOD_S
+    """Seconds between background listings when no search asks for one. A swarm read whole each time (level 0 or
+    1, a handful of records) is re-read before what we read expires (announce_ttl_s / 3). A larger one is read a
+    random bucket at a time, and only the partner search needs one: it lists as it starts (search_begins) and with
+    backoff while nobody ready is in sight, so the background only keeps a peer with rounds longer than LIST_IDLE_S
+    current. Before, every 10 s: a get (~10 ms of CPU at 1,000 members, bench/scale.py) every 10 s of training, 6
+    a round for a peer with 60-s rounds, that no search read."""
+    return min(LIST_IDLE_S, ttl_s / 3) if level <= 1 else LIST_IDLE_S
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class Network:
         self.signed = SignedRecords()              # signed hints: records to pass on, and handed to us (unchecked)
         self._not_members: dict[str, float] = {}   # caller -> when its lookup found no record (monotonic)
         self._search_listings = 0                  # listings asked for during the partner search in progress
+        self._list_asked_at = 0.0                  # when the latest listing was asked for (monotonic)
         self.legacy_seen: set[str] = set()         # peers of the older single-key layout, reported once each
         self._bytes_reported = self._gets_reported = 0   # membership reads already in an earlier round's metrics
         self._hints_reported = [0, 0]              # signed hints used / refused, already in an earlier round's
@@ -413,15 +418,22 @@ class Network:
             self.aio.loop.call_soon_threadsafe(self._announce_wanted.set)
 
     def search_begins(self) -> None:
-        """On the loop: a partner search starts; its listings back off from the first (listing_interval_s)."""
+        """On the loop: a partner search starts. It lists now (who is ready has changed since our last search),
+        unless a listing was asked for within SEARCH_FRESH_S; further listings back off (listing_interval_s)."""
         self._search_listings = 0
+        if time.monotonic() - max(self.listed_at, self._list_asked_at) >= SEARCH_FRESH_S:
+            self._ask_listing()
 
     def search_listing(self) -> None:
         """On the loop, from a partner search with nobody ready in sight: a listing of another bucket, at most
-        every listing_interval_s (0.3 s, doubling up to 4.8 s within one search)."""
-        if time.monotonic() - self.listed_at >= listing_interval_s(self._search_listings + 1):
-            self._search_listings += 1
-            self._list_wanted.set()
+        every listing_interval_s (0.3 s, doubling up to 4.8 s within one search) after the last one asked for."""
+        if time.monotonic() - max(self.listed_at, self._list_asked_at) >= listing_interval_s(self._search_listings + 1):
+            self._ask_listing()
+
+    def _ask_listing(self) -> None:
+        self._search_listings += 1
+        self._list_asked_at = time.monotonic()
+        self._list_wanted.set()
 
     async def _announcer(self) -> None:
         every = self.cfg.swarm.announce_ttl_s / 3

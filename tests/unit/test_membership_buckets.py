@@ -181,8 +181,42 @@ def test_a_mixed_swarm_refuses_to_start_and_is_an_error_while_running(signers, c
     assert sum("mixed swarm" in r.message for r in caplog.records) == 1
 
 
-def test_the_background_refresh_reads_a_large_swarm_every_10_s_and_a_small_one_before_it_expires():
-    from gasloc.peer.swarm.network import LIST_PERIOD_S, list_period_s
+def test_a_large_swarm_is_listed_by_searches_and_a_small_one_before_it_expires():
+    from gasloc.peer.swarm.network import LIST_IDLE_S, list_period_s
     assert list_period_s(0, 15.0) == list_period_s(1, 15.0) == 5.0     # read whole: again before a record expires
-    assert list_period_s(1, 60.0) == LIST_PERIOD_S == 10.0
-    assert list_period_s(7, 15.0) == 10.0                               # a bucket at a time: no faster than 10 s
+    assert list_period_s(1, 600.0) == LIST_IDLE_S == 60.0
+    assert list_period_s(7, 15.0) == 60.0   # a bucket at a time: searches list; the background only for long rounds
+
+
+class _Wanted:
+    def __init__(self):
+        self.times = 0
+
+    def set(self):
+        self.times += 1
+
+
+def test_a_search_lists_as_it_starts_then_backs_off(monkeypatch):
+    """One listing when a search starts (unless one was asked for within SEARCH_FRESH_S), then, while nobody ready
+    is in sight, at 0.3, 0.6, 1.2 ... s after the last one asked for: a search costs about one get, not one per
+    10 s of training (bench/scale.py models exactly that)."""
+    from gasloc.peer.swarm import network as netmod
+    clock = [100.0]
+    monkeypatch.setattr(netmod.time, "monotonic", lambda: clock[0])
+    net = Network(PeerConfig.model_validate({"swarm": {"run_id": RUN}}), lambda: PeerStatus("training", 0, 0.0, 0.0))
+    net._list_wanted = wanted = _Wanted()
+    net.listed_at = 90.0
+    net.search_begins()
+    assert wanted.times == 1
+    # the first came with the search (at 100.0): the next after 0.6 s, then 1.2 s, 2.4 s
+    for t, expected in [(100.3, 1), (100.65, 2), (101.8, 2), (101.9, 3), (104.2, 3), (104.35, 4)]:
+        clock[0] = t
+        net.search_listing()
+        assert wanted.times == expected, t
+    net.listed_at = 104.4          # the last listing came back
+    clock[0] = 105.0               # the next search starts within SEARCH_FRESH_S of it: nothing more
+    net.search_begins()
+    assert wanted.times == 4
+    clock[0] = 105.5
+    net.search_begins()
+    assert wanted.times == 5

@@ -195,9 +195,10 @@ def overlap_suite(name: str, *, workers: int, base: dict, run: dict, notes: list
 
 
 # bench/hetero.py's measured GASLoC/DiLoCo time-to-target ratios with the current code (docs/hetero-results.md,
-# invocations W-Y of 2026-12-01, after commit e21d316's serving searches): bandwidth-aware 0.27, 0.55, 0.24; uniform
-# 0.28, 0.60, 0.27
-BENCH_RATIOS = {"gasloc-bw": [0.27, 0.55, 0.24], "gasloc": [0.28, 0.60, 0.27]}
+# invocations Z1-Z3 of 2026-12-02 07:07-07:47 UTC, commit 29db465: the open share spread evenly, exploring picky
+# searches answer measured callers BUSY): bandwidth-aware 0.28, 0.27, 0.32; uniform 0.25, 0.26, 0.30. Before them
+# (W-Y, 2026-12-01, commit e21d316): bandwidth-aware 0.27, 0.55, 0.24; uniform 0.28, 0.60, 0.27
+BENCH_RATIOS = {"gasloc-bw": [0.28, 0.27, 0.32], "gasloc": [0.25, 0.26, 0.30]}
 BENCH_TARGET_MARGIN = 0.02  # bench/hetero.py --target-margin's default
 
 
@@ -405,17 +406,18 @@ OVERLAP_BASE = {**PAPER_BASE, "schedule": "lockstep"}
 # bench/hetero.py's setup (its PEER_TOML and netlab links): 6 peers, even ones on 30 Mbit and odd ones on 3 Mbit,
 # tiny preset in fp32 on the wire (885,888 numbers = 3.5 MB), H = 20, partner deadline 10 s, exchange timeout 60 s,
 # 180 s per run, DiLoCo's matchmaking 5 s; every peer evaluates after every round. The clock's numbers are the bench's
-# own, measured by `bench/hetero_calibrate.py` over the invocations the claims compare with (W-Y, 2026-12-01, 9 runs;
-# docs/sim-results.md): 0.061 s per inner step; transfers over a slow link at 0.72 of the tbf rate (pair exchanges;
-# 0.67 for hivemind's all-reduce); DiLoCo as the live peer runs it (sim/groups.py): hivemind's matchmaking,
-# all-reduce durations with a coefficient of variation of 0.12, and listings that hold 0.36 of the others for the
-# first 3.8 s
+# own, measured by `bench/hetero_calibrate.py` over the invocations the claims compare with (Z1-Z3, 2026-12-02, 9 runs,
+# commit 29db465; docs/sim-results.md): 0.053 s per inner step; transfers over a slow link at 0.73 of the tbf rate
+# (pair exchanges; 0.68 for hivemind's all-reduce); DiLoCo as the live peer runs it (sim/groups.py): hivemind's
+# matchmaking, all-reduce durations with a coefficient of variation of 0.12, and listings that hold 0.32 of the others
+# for the first 2.9 s. Over W-Y (2026-12-01, the machine of that day) they were 0.061 s, 0.72, 0.67, 0.12, 0.36 and
+# 3.8 s
 HETERO_BASE = {"workers": 6, "model.preset": "tiny", "model.seq_len": 64, "data.batch_size": 4,
                "data.val_batches": 4, "inner.inner_steps": 20, "inner.warmup_steps": 20, "inner.lr": 2e-3,
-               "clock.profile": "hetero-bench", "clock.seconds_per_step": 0.061, "clock.latency_ms": 0.5,
-               "clock.bytes_per_param": 4.0, "clock.nominal_params": 885_888, "clock.link_efficiency": 0.72,
-               "clock.allreduce_efficiency": 0.67, "search.matchmaking_time_s": 5.0, "search.allreduce_jitter": 0.12,
-               "search.discovery_s": 3.8, "search.discovery_share": 0.36,
+               "clock.profile": "hetero-bench", "clock.seconds_per_step": 0.053, "clock.latency_ms": 0.5,
+               "clock.bytes_per_param": 4.0, "clock.nominal_params": 885_888, "clock.link_efficiency": 0.73,
+               "clock.allreduce_efficiency": 0.68, "search.matchmaking_time_s": 5.0, "search.allreduce_jitter": 0.12,
+               "search.discovery_s": 2.9, "search.discovery_share": 0.32,
                "search.partner_deadline_s": 10.0, "search.exchange_timeout_s": 60.0, "rounds": 200,
                "eval_every": 1, "max_sim_time_s": 180.0}
 

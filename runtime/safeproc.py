@@ -16,6 +16,7 @@ its process tree by PID (as tests/e2e/harness.py does), not its process group.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import glob
 import os
@@ -26,6 +27,8 @@ import hivemind
 
 from gasloc.runtime.dht_pipe import FuturePipe
 from gasloc.runtime.procs import set_pdeathsig
+
+FAILED_DAEMON_STOP_S = 5.0   # how long a failed start waits for its p2pd to stop (SIGTERM: milliseconds)
 
 
 def detach_and_die_with_parent(parent_pid: int) -> None:
@@ -87,9 +90,65 @@ class SafeDHT(DiesWithParent, hivemind.DHT):
         super().run_in_background(await_ready=await_ready, timeout=timeout)
 
     def run(self) -> None:
+        clean_up_failed_starts()
         if self._p2pd_flags:
             add_p2pd_flags(self._p2pd_flags)
         super().run()
+
+
+def clean_up_failed_starts() -> None:
+    """Leave no p2pd and no socket file behind when the DHT node of this process fails to start.
+
+    Two ways to fail, both seen in the test suite as a /tmp/hivemind-p2pd-<uid>.sock file that outlived everything:
+    - p2pd itself exits while it starts (it reached none of its initial peers) after it bound that socket, and
+      hivemind's P2P.create raises without removing the file (its _terminate removes it only for a daemon still
+      running): `gasloc status` against a dead bootstrap, or the status page of a `gasloc swarm` killed meanwhile.
+    - p2pd starts, and DHTNode.create fails after it (no initial peer answers a DHT ping: a peer without the swarm
+      key of a private swarm) without shutting that daemon down; it outlived its DHT process and went without
+      removing its socket.
+    The daemon lived too briefly for a watcher to see who owned the file. Here P2P.create removes the socket of a
+    daemon that failed to start (the path from the argv hivemind builds, P2P._make_process_args `listen`; the uid
+    is random per daemon, so the file is that daemon's alone), and DHTNode.create shuts down the daemons started
+    for it when it fails. Called in the forked DHT child only (SafeDHT.run), like add_p2pd_flags."""
+    from hivemind.dht.node import DHTNode
+    from hivemind.p2p import P2P
+
+    make_args, p2p_create, node_create = P2P._make_process_args, P2P.create.__func__, DHTNode.create.__func__
+    listened: list[str] = []
+    started: list = []   # P2P instances started during a DHTNode.create that has not returned yet
+
+    def recording(*args, **kwargs):
+        with contextlib.suppress(Exception):  # a listen address without a unix path: nothing to remove later
+            listened.append(kwargs["listen"]["unix"])
+        return make_args(*args, **kwargs)
+
+    async def p2p_cleaning(cls, *args, **kwargs):
+        first = len(listened)
+        try:
+            p2p = await p2p_create(cls, *args, **kwargs)
+        except Exception:
+            for path in listened[first:]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
+        started.append(p2p)
+        return p2p
+
+    async def node_cleaning(cls, *args, **kwargs):
+        first = len(started)
+        try:
+            return await node_create(cls, *args, **kwargs)
+        except Exception:
+            for p2p in started[first:]:
+                with contextlib.suppress(Exception):  # already gone, or it does not stop: the error above is the news
+                    await asyncio.wait_for(p2p.shutdown(), FAILED_DAEMON_STOP_S)
+            raise
+        finally:
+            del started[first:]
+
+    P2P._make_process_args = staticmethod(recording)
+    P2P.create = classmethod(p2p_cleaning)
+    DHTNode.create = classmethod(node_cleaning)
 
 
 def add_p2pd_flags(flags: dict[str, str]) -> None:

@@ -167,9 +167,9 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
         failed.append(str(e).split(" ", 1)[0])
     finally:
         console.print("stopping...")
-        codes = sup.stop_all(cfg.stop_grace_s, names=[n for n in names if n in sup.children])
-        if "status" in sup.children:
-            sup.stop("status", cfg.stop_grace_s)
+        # the peers and the page at once (the page only reads), then the bootstrap: the peers withdraw their records
+        # through it
+        codes = sup.stop_all(cfg.stop_grace_s, names=[n for n in [*names, "status"] if n in sup.children])
         boot_code = sup.stop("bootstrap", cfg.stop_grace_s) if "bootstrap" in sup.children else 0
         left = sup.cleanup()
     for v in views:

@@ -108,8 +108,9 @@ _watch: SessionWatch | None = None
 
 def pytest_sessionstart(session):
     global _watch
-    # under pytest-xdist (make test runs the unit and in-process tests on two workers) the controller watches: its
-    # tree holds the workers' children, and a worker that cleaned up its own leaks would hide them from it
+    # under pytest-xdist (make test runs the unit, in-process and light multi-process tests on three workers) the
+    # controller watches: its tree holds the workers' children, and a worker that cleaned up its own leaks would hide
+    # them from it
     if "PYTEST_XDIST_WORKER" not in os.environ:
         _watch = SessionWatch()
 

@@ -7,6 +7,12 @@ import pytest
 from e2e.harness import Harness
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "light: an e2e test that trains one peer alone or a swarm stopped at its "
+                            "first round or sooner, and whose verdict does not depend on the machine's pace: `make "
+                            "test` runs these on three workers beside the unit tests, and every other e2e test alone")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/e2e/" in str(item.fspath):

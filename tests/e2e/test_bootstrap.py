@@ -10,7 +10,7 @@ import pytest
 
 from e2e.harness import LOOPBACK
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.light]
 
 
 def maddr_lines(path):

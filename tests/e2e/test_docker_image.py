@@ -6,6 +6,10 @@ two peers (its CPU form: the file as it is) train for a fixed number of rounds, 
 Needs a Docker engine: it uses a running one, else starts dockerd itself when it can (root) and stops it at the end.
 Where there is none it skips with the reason on a developer's machine, and fails under CI (CI set, as .ci/run does).
 Everything it creates (a compose project of its own: containers, network, volumes) is removed, also on failure.
+
+Two tests: the build and the one-off containers (light: `make test` runs it beside the unit tests, where a cold build's
+downloads and layer writes overlap their CPU work), and the compose swarm, which runs alone and builds again first (a
+cache hit once the image is built, and the image of the source at hand either way).
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ MIN_OK = 5
 STOP_GRACE_S = 60  # docker-compose.yml's stop_grace_period for the peers
 T = TypeVar("T")
 
-pytestmark = pytest.mark.docker
+# one worker for both under pytest-xdist: each may start the engine (the module-scoped `engine` fixture)
+pytestmark = [pytest.mark.docker, pytest.mark.xdist_group("docker")]
 
 
 def sh(*args: str, timeout_s: float = 120, check: bool = True, env: dict[str, str] | None = None
@@ -180,15 +185,21 @@ def checkpoint_rounds(volume: str) -> list[int]:
     return json.loads(out)
 
 
-@pytest.mark.timeout(900)  # cold: the stand-in base, the wheelhouse and every layer built (target 8 min)
-def test_image_builds_and_compose_swarm_trains_stops_and_resumes(engine, tmp_path):
+def build_image() -> subprocess.CompletedProcess:
     t0 = time.monotonic()
     # the wheelhouse is collected by this Python (3.11, with pip and the machine's pip settings)
     build = sh("bash", str(ROOT / "docker" / "build.sh"), "--tag", IMAGE, timeout_s=540,
                env={**os.environ, "PYTHON": sys.executable})
-    build_s = time.monotonic() - t0
+    print(f"\nbuild {time.monotonic() - t0:.0f} s")
+    return build
+
+
+@pytest.mark.light
+@pytest.mark.timeout(900)  # cold: the stand-in base, the wheelhouse and every layer built (target 8 min)
+def test_image_builds_and_runs_help_and_doctor(engine):
+    build_image()
     image = json.loads(sh("docker", "image", "inspect", IMAGE).stdout)[0]
-    print(f"\nbuild {build_s:.0f} s, image {image['Size'] / 1e9:.2f} GB")
+    print(f"image {image['Size'] / 1e9:.2f} GB")
     # pip's build-time settings are ARGs: none of them stays in the image's environment
     env = image["Config"]["Env"]
     assert not [e for e in env if e.split("=")[0] in {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS",
@@ -201,6 +212,10 @@ def test_image_builds_and_compose_swarm_trains_stops_and_resumes(engine, tmp_pat
            check=False)
     assert r.returncode == 0 and "FAIL" not in r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
 
+
+@pytest.mark.timeout(900)  # cold, when it runs without the test above: the whole build first
+def test_compose_swarm_trains_stops_and_resumes(engine, tmp_path):
+    build = build_image()
     project = Project(tmp_path)
     try:
         project.compose("up", "-d", "--no-build")

@@ -66,6 +66,7 @@ def _assert_gone(prefix: str, procs: dict[int, int]) -> None:
     assert [ns for ns in netlab.list_namespaces() if ns.startswith(prefix)] == []
 
 
+@pytest.mark.light  # the swarm is stopped as soon as it is ready: what is tested is the cleanup
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_interrupt_removes_namespaces_and_processes(tmp_path, sig):
@@ -87,6 +88,7 @@ def test_interrupt_removes_namespaces_and_processes(tmp_path, sig):
     _assert_gone(prefix, procs)
 
 
+@pytest.mark.light
 @pytest.mark.timeout(240)
 def test_cleanup_after_sigkill_of_the_benchmark(tmp_path):
     proc = _start(tmp_path)

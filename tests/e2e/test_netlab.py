@@ -17,7 +17,10 @@ sys.modules["netlab"] = netlab  # dataclasses look their module up there
 _spec.loader.exec_module(netlab)
 
 _why = netlab.unavailable_reason()
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=f"network namespaces: {_why}")]
+# light, and on one worker: two tests here run netlab.cleanup("gnt"), which would also remove the dead-creator
+# namespaces another of them is checking
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=f"network namespaces: {_why}"),
+              pytest.mark.light, pytest.mark.xdist_group("netlab")]
 
 MB = 1_000_000
 

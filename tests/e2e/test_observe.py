@@ -10,6 +10,7 @@ import socket
 import subprocess
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -62,10 +63,11 @@ def test_metrics_status_and_live_page_of_a_four_peer_swarm(harness, bootstrap, t
     cfg = write_config(h, inner_steps=10)
     names = ["p0", "p1", "p2", "p3"]
     p2pd_port = free_port()
-    ids = start_peers(h, names[1:], bootstrap, cfg)
-    # p0 serves Prometheus metrics (any free port: the start event says where) and its p2pd's own
+    # p0 serves Prometheus metrics (any free port: the start event says where) and its p2pd's own; it starts together
+    # with the other three
     h.spawn("p0", "peer", "--config", cfg, "--initial-peers", bootstrap[0], "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--run-dir", h.dir("p0"), "--metrics-port", "0", env={"GASLOC_METRICS__P2PD_PORT": str(p2pd_port)})
+    ids = start_peers(h, names[1:], bootstrap, cfg)
     ids["p0"] = h.wait_ready(h.child("p0"), 150)["peer_id"]
 
     # 2. /metrics of a running peer: counters move between two rounds
@@ -93,7 +95,14 @@ def test_metrics_status_and_live_page_of_a_four_peer_swarm(harness, bootstrap, t
 
     # 3. gasloc status lists all four with their rounds, as a table and as JSON
     h.wait_until(lambda: all(len(rounds(h, n)) >= 2 for n in names), 150, "two rounds each", alive=tuple(names))
-    res = h.run("status", "--initial-peers", bootstrap[0], "--run-id", RUN_ID, "--json", timeout_s=90)
+    # the two readings of the swarm and the live page (section 4) start at once: each is a process of its own that
+    # joins the DHT, and none waits for another
+    h.spawn("page", "status", "--initial-peers", bootstrap[0], "--run-id", RUN_ID, "--serve", "0", "--interval", "1")
+    with ThreadPoolExecutor(2) as pool:
+        as_json = pool.submit(h.run, "status", "--initial-peers", bootstrap[0], "--run-id", RUN_ID, "--json",
+                              timeout_s=90)
+        as_table = pool.submit(h.run, "status", "--initial-peers", bootstrap[0], "--run-id", RUN_ID, timeout_s=90)
+        res, table = as_json.result(), as_table.result()
     assert res.returncode == 0, res.stderr
     snap = json.loads(res.stdout)
     listed = {p["peer_id"]: p for p in snap["peers"]}
@@ -106,16 +115,13 @@ def test_metrics_status_and_live_page_of_a_four_peer_swarm(harness, bootstrap, t
     assert snap["totals"]["peers"] == 4 and snap["totals"]["tokens_per_s"] > 0, snap["totals"]
     # four peers fit one bucket (protocol/buckets.py): status reads the whole swarm and says so
     assert snap["sampled"] is False and snap["sampling"]["buckets_read"] == snap["sampling"]["buckets"], snap["sampling"]
-    res = h.run("status", "--initial-peers", bootstrap[0], "--run-id", RUN_ID, timeout_s=90)
-    assert res.returncode == 0, res.stderr
+    assert table.returncode == 0, table.stderr
     for n in names:
-        assert short(ids[n]) in res.stdout, res.stdout
-    assert "4 peers" in res.stdout and "own claim" in res.stdout and "read all" in res.stdout, res.stdout
+        assert short(ids[n]) in table.stdout, table.stdout
+    assert "4 peers" in table.stdout and "own claim" in table.stdout and "read all" in table.stdout, table.stdout
 
     # 4. the live page and its JSON
-    page = h.start("page", "status", "--initial-peers", bootstrap[0], "--run-id", RUN_ID, "--serve", "0",
-                   "--interval", "1")
-    base = page.ready["url"]
+    base = h.wait_ready(h.child("page"))["url"]
     h.wait_until(lambda: len(json.loads(get(base + "api/swarm")[1])["history"]["edges"]) >= 2, 90,
                  "two exchange edges on the page", alive=tuple(names) + ("page",))
     code, body = get(base + "api/swarm")

@@ -10,7 +10,7 @@ import pytest
 
 from gasloc.runtime.procs import ChildFailed, Supervisor
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.light]
 
 # A child that leaves debris on purpose: a grandchild in a session of its own (out of reach of killpg), a bound
 # unix socket it never removes, then READY.

@@ -54,6 +54,7 @@ def test_swarm_trains_summarizes_plots_and_cleans_up(harness):
     assert_nothing_left(harness, "swarm")
 
 
+@pytest.mark.light  # stopped at its first round or sooner: what is tested is the stop
 @pytest.mark.timeout(240)
 def test_ctrl_c_stops_with_a_summary(harness, tmp_path):
     run_dir = harness.run_dir / "demo"
@@ -73,6 +74,7 @@ def test_ctrl_c_stops_with_a_summary(harness, tmp_path):
     assert_nothing_left(harness, "swarm")
 
 
+@pytest.mark.light  # stopped at its first round or sooner: what is tested is the stop
 @pytest.mark.timeout(240)
 def test_kill9_of_the_swarm_command_stops_its_children(harness):
     """Even SIGKILL of `gasloc swarm` leaves nothing: its children get SIGTERM from the kernel (PR_SET_PDEATHSIG)
@@ -89,6 +91,7 @@ def test_kill9_of_the_swarm_command_stops_its_children(harness):
         assert stops and stops[-1]["reason"] == "SIGTERM", (name, stops)
 
 
+@pytest.mark.light
 @pytest.mark.timeout(120)
 def test_failing_peer_makes_it_exit_1(harness):
     """Arguments after -- go to every peer: an invalid one makes each peer exit 2 before READY."""
@@ -102,6 +105,7 @@ def test_failing_peer_makes_it_exit_1(harness):
     assert_nothing_left(harness, "swarm")
 
 
+@pytest.mark.light
 def test_refuses_non_empty_run_dir_and_bad_options(harness):
     run_dir = harness.run_dir / "used"
     run_dir.mkdir()

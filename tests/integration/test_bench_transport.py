@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "transport.py"
+# one worker for both under pytest-xdist: workers_alive() looks at every process on the machine, so the other test's
+# workers would count as leftovers (seen once: the SIGTERM test found the loopback test's three workers)
+pytestmark = pytest.mark.xdist_group("bench_transport")
 
 
 def workers_alive() -> list[int]:

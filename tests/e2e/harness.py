@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -23,7 +24,16 @@ from gasloc.runtime.jsonl import read_jsonl
 from gasloc.runtime.procs import Child, Leftovers, Supervisor, gasloc_argv
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+# a well-formed peer id (sha256 multihash) that no node on this machine has
+MADE_UP_PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on at this moment (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -9,16 +9,9 @@ import sys
 
 import pytest
 
+from e2e.harness import MADE_UP_PEER_ID, free_port
+
 pytestmark = [pytest.mark.timeout(120), pytest.mark.light]
-
-# a well-formed peer id (sha256 multihash) that no node on this machine has
-MADE_UP_PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def doctor(harness, *args, name="doctor", expect_rc):

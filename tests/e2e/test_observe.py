@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -15,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.harness import free_port
 from e2e.swarm_helpers import RUN_ID, rounds, start_event, start_peers, write_config
 from gasloc.cli.statusview import short
 
@@ -36,12 +36,6 @@ def scrape(url: str) -> dict[str, float]:
 
 def total(samples: dict[str, float], name: str) -> float:
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str) -> tuple[int, bytes]:

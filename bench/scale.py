@@ -556,10 +556,13 @@ def _table(rows: list[dict]) -> str:
               help="before each search, forget the searcher's cached record checks, as if every record had been "
                    "re-signed since the last round (a live record is re-announced every 5 s and at each state "
                    "change); --static-records keeps them (the runs before 2026-12-02)")
+@click.option("--get-beam", type=click.IntRange(1, 20), default=None,
+              help="DHT nodes a bucket get asks (the peer's GET_BEAM when not given): to weigh its cost")
 @click.option("--seed", default=0, type=int)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="write {'rows': [...]}")
 def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline_s, keys_path, callee_check,
-         signed_hints, fresh_records, seed, json_out):
+         signed_hints, fresh_records, get_beam, seed, json_out):
+    from gasloc.peer.swarm import membership
     try:
         sizes = [int(x) for x in members.split(",") if x.strip()]
     except ValueError:
@@ -568,7 +571,8 @@ def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline
         raise click.BadParameter("every size must be at least 2", param_hint="--members")
     o = dict(searches=searches, dht_nodes=dht_nodes, ready_share=ready_share, busy_share=busy_share, call_s=call_s,
              deadline_s=deadline_s, seed=seed, ttl_s=3600.0, callee_check=callee_check, signed_hints=signed_hints,
-             fresh_records=fresh_records)
+             fresh_records=fresh_records, get_beam=get_beam or membership.GET_BEAM)
+    membership.GET_BEAM = o["get_beam"]     # read by BucketReader at each get, in this (the searcher's) process
     keys = load_keys(keys_path, max(sizes))
     rows: list[dict] = []
     # fresh DHT processes for every size: a row does not inherit the earlier rows' records, and in one invocation

@@ -29,7 +29,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
-from gasloc.peer.swarm.membership import PeerRecord, make_validators, peer_id_of, record_digest
+from gasloc.peer.swarm.membership import PeerRecord, make_validators, peer_id_of, record_digest, record_of
 from gasloc.protocol.buckets import MAX_LEVEL, bucket_of
 from gasloc.protocol.messages import WireMember
 
@@ -74,7 +74,7 @@ class Admission:
             try:
                 if not self.validator.validate(record):
                     return None, "signature or schema invalid"
-                rec = PeerRecord.parse_obj(MSGPackSerializer.loads(self.validator.strip_value(record)))
+                rec = record_of(MSGPackSerializer.loads(self.validator.strip_value(record)))
             except (pv1.ValidationError, TypeError, ValueError):   # a malformed value the validators let by
                 return None, "record does not parse"
             except Exception:  # noqa: BLE001 - msgpack / RSA parsing of hostile bytes raise many kinds

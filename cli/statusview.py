@@ -26,10 +26,23 @@ def _finite(v: float | None) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
+def _shown(v: Any) -> Any:
+    """An undeclared claim of a view as JSON and the table can show it: numbers, text, booleans as they are (text
+    cut, non-finite numbers as None), anything else (msgpack also carries bytes and tuples) as its cut repr."""
+    if v is None or isinstance(v, (bool, int)):
+        return v
+    if isinstance(v, float):
+        return _finite(v)
+    return (v if isinstance(v, str) else repr(v))[:SHOWN_CHARS]
+
+
+SHOWN_CHARS = 120
+
+
 def peer_row(rec: PeerRecord, now: float) -> dict[str, Any]:
     """One peer as the status view shows it (JSON-ready)."""
     view = status_view(rec)
-    extra = {k: v for k, v in (view.dict() if view else {}).items()
+    extra = {k: _shown(v) for k, v in (view.dict() if view else {}).items()
              if k not in ("loss", "val_loss", "round_s", "partners", "version")}
     return {
         "peer_id": rec.peer_id, "state": rec.state, "round": rec.round, "protocol": rec.protocol,

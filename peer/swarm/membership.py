@@ -140,6 +140,10 @@ def status_view(record: PeerRecord) -> StatusView | None:
     raw = getattr(record, "view", None)
     if not isinstance(raw, dict):
         return None
+    # an extra key named like a model attribute (`dict`, `_iter`, ...) would shadow it on the instance, and the
+    # status views' view.dict() would raise on another peer's record: such keys are dropped, not shown
+    raw = {k: v for k, v in raw.items()
+           if isinstance(k, str) and (k in StatusView.__fields__ or not hasattr(StatusView, k))}
     try:
         return StatusView.parse_obj(raw)
     except pv1.ValidationError:

@@ -76,3 +76,29 @@ def test_a_sampled_snapshot_says_how_much_of_the_swarm_it_shows():
     console = Console(width=200, record=True)
     console.print(render_table(sampled, ["/ip4/1.2.3.4/tcp/1/p2p/X"]))
     assert "sampled 4 of 16 buckets, ~132 peers estimated" in console.export_text()
+
+
+def test_a_view_with_keys_named_like_model_attributes_does_not_break_the_rows():
+    """A hostile record's view {"dict": 1.0} passes the DHT's checks (the view is an extra field); pydantic v1 would
+    let it shadow StatusView.dict, and every gasloc status would raise on it. Such keys are dropped."""
+    records = {"A": rec("A", 5, 99.0, {"loss": 2.0, "dict": 1.0, "_iter": 1, "json": 2, "copy": 3,
+                                      "reachability": "public"})}
+    (row,) = snapshot(records, run_id="r", now=100.0)["peers"]
+    assert row["loss"] == 2.0 and row["reachability"] == "public" and row["extra"] == {}
+
+
+def test_a_view_with_bytes_and_tuples_shows_as_text_in_json_and_table():
+    """msgpack carries bytes and tuples; a peer's view holding them must not break gasloc status --json or its
+    table (both raised before)."""
+    import json
+
+    from rich.console import Console
+
+    records = {"A": rec("A", 5, 99.0, {"loss": 1.0, "reachability": b"public", "blob": b"x" * 500, "pair": (1, 2),
+                                      "nan": float("nan")})}
+    snap = snapshot(records, run_id="r", now=100.0)
+    (row,) = snap["peers"]
+    assert row["reachability"] == "b'public'" and row["extra"]["pair"] == "(1, 2)" and row["extra"]["nan"] is None
+    assert len(row["extra"]["blob"]) == 120
+    json.dumps(snap, allow_nan=False)
+    Console(width=200, record=True).print(render_table(snap, []))

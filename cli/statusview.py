@@ -53,7 +53,7 @@ def peer_row(rec: PeerRecord, now: float) -> dict[str, Any]:
         "version": view.version if view else None,
         # reachability and whatever later versions add to the view, shown as they come
         "reachability": extra.pop("reachability", None), "extra": extra,
-        "announced_s_ago": max(0.0, now - rec.time),
+        "announced_s_ago": _finite(max(0.0, now - rec.time)),   # a claimed time of -inf: None, not Infinity
     }
 
 
@@ -63,8 +63,10 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     fingerprints = Counter(r["fingerprint"] for r in rows)
     return {
         "peers": len(rows), "by_state": dict(states),
-        "tokens_per_s": sum(r["tokens_per_s"] or 0.0 for r in rows),
-        "rounds_per_min": sum(60.0 / r["round_s"] for r in rows if r["round_s"]),
+        # sums of finite claims can still overflow (two peers claiming 1e308 tok/s): None then, never Infinity,
+        # which JSON (and the status page's JSON.parse) does not have
+        "tokens_per_s": _finite(sum(r["tokens_per_s"] or 0.0 for r in rows)),
+        "rounds_per_min": _finite(sum(60.0 / r["round_s"] for r in rows if r["round_s"] and r["round_s"] > 0)),
         "configs": len(fingerprints),  # more than one: peers that cannot pair with each other share the run id
     }
 
@@ -154,11 +156,11 @@ def render_table(snap: dict[str, Any], initial_peers: list[str]):
                   _num(r["tokens_per_s"], ".0f"),
                   _num(r["bandwidth_bps"] / 1e6 if r["bandwidth_bps"] else None, ".1f"),
                   _num(r["round_s"], ".1f"), str(r["protocol"]), r["version"] or "-", r["reachability"] or "-",
-                  f"{r['announced_s_ago']:.0f}")
+                  _num(r["announced_s_ago"], ".0f"))
     by_state = ", ".join(f"{n} {s}" for s, n in sorted(tot["by_state"].items()))
     t.add_section()
-    t.add_row(f"{tot['peers']} peers", by_state, "", "", "", f"{tot['tokens_per_s']:.0f}", "",
-              f"{tot['rounds_per_min']:.1f}/min", "", "", "", "")
+    t.add_row(f"{tot['peers']} peers", by_state, "", "", "", _num(tot["tokens_per_s"], ".0f"), "",
+              f"{_num(tot['rounds_per_min'], '.1f')}/min", "", "", "", "")
     return t
 
 

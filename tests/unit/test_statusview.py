@@ -102,3 +102,25 @@ def test_a_view_with_bytes_and_tuples_shows_as_text_in_json_and_table():
     assert len(row["extra"]["blob"]) == 120
     json.dumps(snap, allow_nan=False)
     Console(width=200, record=True).print(render_table(snap, []))
+
+
+def test_extreme_claims_give_json_without_infinity_and_a_table():
+    """Claims a record's schema lets by (any float, any int) must not put Infinity or NaN in the JSON that
+    `gasloc status --json` prints and the status page parses (JSON.parse refuses both), nor break the table."""
+    import json
+
+    from rich.console import Console
+
+    from gasloc.cli.statusview import History
+
+    odd = [float("inf"), float("-inf"), float("nan"), 1e308, -1e308, 5e-324, 0.0, -0.0]
+    records = {}
+    for i, x in enumerate(odd):
+        pid = f"P{i}"
+        records[pid] = rec(pid, 2**62 if i % 2 else -5, x, {"loss": x, "val_loss": x, "round_s": x, "partners": ["Q"]},
+                           throughput_tps=x, bandwidth_bps=x)
+    snap = snapshot(records, run_id="r", now=100.0)
+    history = History()
+    history.add(snap)
+    json.dumps({"snapshot": snap, "history": history.to_json()}, allow_nan=False)
+    Console(width=200, record=True).print(render_table(snap, []))

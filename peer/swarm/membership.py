@@ -255,18 +255,30 @@ class BucketSchemaValidator(_CachedChecks, SchemaValidator):
 
     def __init__(self, run_id: str):
         super().__init__(SwarmSchema, prefix=run_id)
-        field = next(iter(SwarmSchema.__fields__))
+        self._field = field = next(iter(SwarmSchema.__fields__))
+        # the keys whose records are SwarmSchema's (the fast path's); the map may also hold keys of validators
+        # merged into this one (hivemind merges a node's SchemaValidators), which other schemas judge
+        self._swarm_keys = {DHTID.generate(source=peers_key(run_id)).to_bytes()}
         for level in range(MAX_LEVEL + 1):
             for b in range(1 << level):
-                self._key_id_to_field_name[DHTID.generate(source=bucket_key(run_id, level, b)).to_bytes()] = field
+                key_id = DHTID.generate(source=bucket_key(run_id, level, b)).to_bytes()
+                self._key_id_to_field_name[key_id] = field
+                self._swarm_keys.add(key_id)
+
+    def merge_with(self, other) -> bool:
+        merged = super().merge_with(other)
+        if merged and isinstance(other, BucketSchemaValidator):
+            self._swarm_keys |= other._swarm_keys
+        return merged
 
     def validate(self, record) -> bool:
         return self._cached(record, self._check)
 
     def _check(self, record: DHTRecord) -> bool:
-        """A record of one of our bucket keys whose subkey is an owner's key and whose value is None (a withdrawal)
-        or a plain record is accepted here; hivemind's check decides everything else (and would accept these)."""
-        if record.subkey not in DHTProtocol.RESERVED_SUBKEYS and record.key in self._key_id_to_field_name:
+        """A record of one of our keys whose subkey is an owner's key and whose value is None (a withdrawal) or a
+        plain record is accepted here; hivemind's check decides everything else (and would accept these)."""
+        if (record.subkey not in DHTProtocol.RESERVED_SUBKEYS and record.key in self._swarm_keys
+                and self._key_id_to_field_name.get(record.key) == self._field):
             try:
                 subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
             except Exception:  # noqa: BLE001 - not ours to judge: hivemind's check below says what it says

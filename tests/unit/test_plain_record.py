@@ -139,6 +139,25 @@ def test_fast_path_agrees_with_hiveminds_check(seed):
     assert 0 < fast_accepted < BATCH                    # both paths are taken
 
 
+def test_keys_of_a_merged_foreign_schema_are_judged_by_that_schema():
+    """hivemind merges a node's SchemaValidators; a key of another schema is that schema's to judge, not the fast
+    path's, even when the record is one of ours."""
+    import pydantic.v1 as pv1
+
+    class Other(pv1.BaseModel):
+        experts: dict[pv1.StrictStr, pv1.StrictInt]
+
+    validator = BucketSchemaValidator(RUN)
+    assert validator.merge_with(SchemaValidator(Other, prefix="x"))
+    foreign = DHTID.generate(source="x_experts").to_bytes()
+    record = dht_record(live_value(), key=foreign)
+    assert reference(validator, record) is False and validator.validate(record) is False
+    merged = BucketSchemaValidator(RUN)
+    assert merged.merge_with(BucketSchemaValidator("another-run"))
+    theirs = dht_record(live_value(), key=DHTID.generate(source=bucket_key("another-run", 4, 3)).to_bytes())
+    assert merged.validate(theirs) and reference(merged, theirs)
+
+
 def test_bucket_keys_of_another_run_and_reserved_subkeys_are_hiveminds_to_judge():
     validator = BucketSchemaValidator(RUN)
     other = DHTID.generate(source=bucket_key("another-run", 4, 3)).to_bytes()

@@ -43,15 +43,17 @@ next_chunk_timeout_s = 5.0
 eval_every_rounds = 2
 [outer]
 overlap = {overlap}
+[guard]
+val_margin = {val_margin}
 """
 
 
 def write_config(h: Harness, *, ttl_s: float = 6.0, deadline_s: float = 1.2, inner_steps: int = 10,
-                 overlap: bool = False, bandwidth_weighting: bool = False) -> Path:
+                 overlap: bool = False, bandwidth_weighting: bool = False, val_margin: float = 0.1) -> Path:
     path = h.run_dir / "peer.toml"
     path.write_text(PEER_TOML.format(run_id=RUN_ID, ttl_s=ttl_s, deadline_s=deadline_s, inner_steps=inner_steps,
                                      overlap=str(overlap).lower(),
-                                     bandwidth_weighting=str(bandwidth_weighting).lower()))
+                                     bandwidth_weighting=str(bandwidth_weighting).lower(), val_margin=val_margin))
     return path
 
 

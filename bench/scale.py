@@ -47,6 +47,8 @@ import asyncio
 import json
 import os
 import random
+import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -219,6 +221,7 @@ class Bench:
         for d in [*self.nodes, getattr(self, "writer", None), getattr(self, "searcher", None)]:
             if d is not None:
                 d.shutdown()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     # ------------------------------------------------------------------ populate
     async def populate(self, run_id: str, n: int) -> dict[str, str]:
@@ -574,6 +577,9 @@ def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline
              fresh_records=fresh_records, get_beam=get_beam or membership.GET_BEAM)
     membership.GET_BEAM = o["get_beam"]     # read by BucketReader at each get, in this (the searcher's) process
     keys = load_keys(keys_path, max(sizes))
+    # SIGTERM unwinds like Ctrl+C, through Bench.stop: without it the DHT processes died with us and left their
+    # p2pd sockets and the bench's key directory behind
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     rows: list[dict] = []
     # fresh DHT processes for every size: a row does not inherit the earlier rows' records, and in one invocation
     # of 100, 1,000 and 5,000 every one of the 15,000 stores at 5,000 was refused (0 records visible), which the

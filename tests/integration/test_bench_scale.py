@@ -1,11 +1,16 @@
 """bench/scale.py in its quick mode (10 and 100 members, real signed records in a real DHT): the JSON's shape, one
 row per design and size, and the bucketed membership reading fewer bytes per search than the single key."""
 import json
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from gasloc.runtime.procs import descendants, is_alive, read_stat
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "scale.py"
 FIELDS = {"design", "members", "dht_bytes_per_round", "cpu_ms_per_round", "partner_found_s_median",
@@ -39,3 +44,33 @@ def test_bad_members_is_one_line_exit_2():
     r = subprocess.run([sys.executable, str(BENCH), "--members", "10,lots"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "not a comma-separated list of integers" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_stops_its_dht_processes_and_removes_their_files(tmp_path):
+    """SIGTERM while it searches: exit without a traceback, and every p2pd it started gone with its socket, and its
+    key directory (named in the searcher's p2pd arguments) removed."""
+    proc = subprocess.Popen([sys.executable, str(BENCH), "--members", "10", "--searches", "500", "--dht-nodes", "2",
+                             "--deadline-s", "2", "--keys", str(tmp_path / "keys.bin")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, line = time.monotonic() + 180, ""
+        while time.monotonic() < deadline:           # readiness: the records are stored, searches begin
+            line = proc.stderr.readline()
+            if "records visible" in line or not line:
+                break
+        assert "records visible" in line, line
+        daemons = [st for st in map(read_stat, descendants({proc.pid})) if st is not None and st.comm == "p2pd"]
+        args = " ".join(Path(f"/proc/{st.pid}/cmdline").read_text().replace("\0", " ") for st in daemons)
+        sockets = [Path(m) for m in re.findall(r"-listen=/unix(/\S+\.sock)", args)]
+        workdir = Path(re.search(r"-id=(\S+)/searcher\.key", args).group(1))
+        assert len(daemons) == 4 and len(sockets) == 4 and all(s.exists() for s in sockets) and workdir.is_dir()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0 and "Traceback" not in err, err[-2000:]
+    assert not [st.pid for st in daemons if is_alive(st.pid, st.start_ticks)]
+    assert not [s for s in sockets if s.exists()] and not workdir.exists()

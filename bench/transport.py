@@ -29,6 +29,7 @@ from pathlib import Path
 
 import click
 
+from gasloc.runtime.procs import process_table
 from gasloc.runtime.sockets import owned_sockets, remove, subtree
 
 WORKER = Path(__file__).with_name("transport_worker.py")
@@ -130,7 +131,17 @@ class WorkerProc:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        # a killed process with torch's mappings takes a moment to go, and the worker's forked children are not
+        # ours to wait for: wait until the group is empty, so that once the bench exits its workers are gone (the
+        # SIGTERM test found four still dying under a loaded machine's test suite)
+        deadline = time.monotonic() + GROUP_GONE_S
+        while time.monotonic() < deadline and any(st.pgid == self.proc.pid and st.state not in ("Z", "X")
+                                                  for st in process_table().values()):
+            time.sleep(0.05)
         self.log.close()
+
+
+GROUP_GONE_S = 10.0
 
 
 _TICK = os.sysconf("SC_CLK_TCK")

@@ -31,7 +31,6 @@ import hashlib
 import logging
 import math
 import random
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -159,8 +158,6 @@ class SwarmSchema(pv1.BaseModel):
 _FIELD_TYPES: dict[str, type] = {
     name: next(t for t in (str, int, float) if issubclass(f.type_, t)) for name, f in PeerRecord.__fields__.items()}
 _RECORD_KEYS = frozenset(_FIELD_TYPES) | {"view", "reach", "via", "forwards"}
-# BytesWithPublicKey's rule (hivemind.dht.schema): a subkey holding an `[owner:...]` public key
-_SUBKEY_RE = re.compile(b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*")
 
 
 def plain_record(value: Any) -> bool:
@@ -171,6 +168,18 @@ def plain_record(value: Any) -> bool:
     holds the two against each other)."""
     return (type(value) is dict and value.keys() <= _RECORD_KEYS
             and all(type(value.get(f)) is t for f, t in _FIELD_TYPES.items()) and value["state"] in PEER_STATES)
+
+
+def _owner_subkey(subkey: Any) -> bool:
+    """A subkey the schema's BytesWithPublicKey accepts as it is: bytes holding an `[owner:...]` public key (its own
+    regex check, which raises on a mismatch)."""
+    if type(subkey) is not bytes:
+        return False
+    try:
+        BytesWithPublicKey.match_regex(subkey)
+    except ValueError:
+        return False
+    return True
 
 
 def record_of(value: Any) -> PeerRecord:
@@ -283,7 +292,7 @@ class BucketSchemaValidator(_CachedChecks, SchemaValidator):
                 subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
             except Exception:  # noqa: BLE001 - not ours to judge: hivemind's check below says what it says
                 subkey = value = None
-            if type(subkey) is bytes and _SUBKEY_RE.match(subkey) and (value is None or plain_record(value)):
+            if _owner_subkey(subkey) and (value is None or plain_record(value)):
                 return True
         try:
             return super().validate(record)

@@ -119,8 +119,7 @@ class Network:
         self._waiters_lock = threading.Lock()
         self.absence: AbsenceWatch | None = None  # set when the loop that ticks it starts
         self.swarm_key: bytes | None = None        # a private swarm's shared secret (swarm.key_path)
-        self._identity_dir: str | None = None      # temporary home of a per-start identity, removed at close
-        self._identity: tuple[str, bool] | None = None   # (identity file, made just now), kept for a restart
+        self._fresh_key: bytes | None = None       # the identity made at start (no --identity-path), for a restart
         self.relay: RelayService | None = None
         self.private, self.reach_source = False, "config"
         self.dht_client = False                    # our DHT node hosts no keys (behind NAT)
@@ -128,9 +127,12 @@ class Network:
         self.admission: Admission | None = None    # checks callers' inline records (admission.py)
         self._validators: list = []
 
-    def _identity_path(self) -> tuple[str, bool]:
-        """The libp2p identity file and whether it is ours alone (made just now). Records are signed with this
-        key, so even a peer without --identity-path runs p2pd with a key file we can read (a fresh one)."""
+    @contextlib.contextmanager
+    def _identity_file(self):
+        """The libp2p identity file p2pd starts with, and whether it is ours alone (made for this run). Records are
+        signed with this key, so even a peer without --identity-path runs p2pd with a key file we can read: a fresh
+        key, kept in memory and written to a private temporary file only while p2pd starts (it reads the file once
+        then), so that a peer killed later leaves no key file behind."""
         from hivemind.p2p import P2P
 
         path = self.cfg.network.identity_path
@@ -141,11 +143,19 @@ class Network:
                     P2P.generate_identity(str(path))   # what p2pd would do, done first so that we can sign with it
                 except OSError as e:
                     raise StartupError(f"cannot create identity file {path}: {e}") from None
-            return str(path), False
-        self._identity_dir = tempfile.mkdtemp(prefix="gasloc-identity-")   # mode 0700
-        fresh = str(Path(self._identity_dir) / "identity.key")
-        P2P.generate_identity(fresh)
-        return fresh, True
+            yield str(path), False
+            return
+        home = tempfile.mkdtemp(prefix="gasloc-identity-")   # mode 0700
+        fresh = Path(home) / "identity.key"
+        try:
+            if self._fresh_key is None:
+                P2P.generate_identity(str(fresh))
+                self._fresh_key = fresh.read_bytes()
+            else:   # a restart as a DHT client keeps the identity
+                fresh.write_bytes(self._fresh_key)
+            yield str(fresh), True
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
 
     # ------------------------------------------------------------------ startup (main thread)
     def start_dht(self) -> None:
@@ -172,7 +182,6 @@ class Network:
             log.info("dht_restarted mode=client reason=%s took_s=%.1f", self.reach_source, time.monotonic() - t0)
 
     def _start_dht(self, client: bool, restart: bool = False) -> None:
-        net = self.cfg.network
         extra = {}
         if self.cfg.swarm.key_path is not None:
             from gasloc.peer.swarm.private import SwarmKeyAuthorizer
@@ -186,9 +195,11 @@ class Network:
         # the addresses allow it; our exchanges do not rely on it: docs/nat.md)
         if client:
             extra.update(client_mode=True, use_auto_relay=True)
-        if self._identity is None:
-            self._identity = self._identity_path()
-        identity_path, fresh = self._identity
+        with self._identity_file() as (identity_path, fresh):
+            self._start_node(identity_path, fresh, restart, extra)
+
+    def _start_node(self, identity_path: str, fresh: bool, restart: bool, extra: dict) -> None:
+        net = self.cfg.network
         if fresh or restart:
             # a key made this instant cannot be in use elsewhere; on a restart it was ours until a moment ago
             extra["check_if_identity_free"] = False
@@ -755,5 +766,3 @@ class Network:
             self.aio.stop()
         if self.dht is not None:
             shutdown_step("dht.shutdown", self.dht.shutdown)
-        if self._identity_dir is not None:
-            shutil.rmtree(self._identity_dir, ignore_errors=True)

@@ -135,13 +135,17 @@ class WorkerProc:
         # ours to wait for: wait until the group is empty, so that once the bench exits its workers are gone (the
         # SIGTERM test found four still dying under a loaded machine's test suite)
         deadline = time.monotonic() + GROUP_GONE_S
-        while time.monotonic() < deadline and any(st.pgid == self.proc.pid and st.state not in ("Z", "X")
-                                                  for st in process_table().values()):
+        while left := [st for st in process_table().values()
+                       if st.pgid == self.proc.pid and st.state not in ("Z", "X")]:
+            if time.monotonic() > deadline:
+                print(f"worker {self.role}: {len(left)} killed process(es) still there after {GROUP_GONE_S:.0f} s: "
+                      + ", ".join(f"{st.pid} ({st.comm}, state {st.state})" for st in left), file=sys.stderr)
+                break
             time.sleep(0.05)
         self.log.close()
 
 
-GROUP_GONE_S = 10.0
+GROUP_GONE_S = 30.0   # a SIGKILLed process in uninterruptible I/O goes only when that I/O ends (a loaded CI disk)
 
 
 _TICK = os.sysconf("SC_CLK_TCK")

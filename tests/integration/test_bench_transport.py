@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from gasloc.runtime.procs import descendants, is_alive, process_table
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "transport.py"
 # one worker for both under pytest-xdist: workers_alive() looks at every process on the machine, so the other test's
 # workers would count as leftovers (seen once: the SIGTERM test found the loopback test's three workers)
@@ -27,6 +29,17 @@ def workers_alive() -> list[int]:
             except OSError:
                 continue
     return out
+
+
+def describe(pid: int) -> str:
+    """A process's state, group, parent and kernel wait channel, for a failure message."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError as e:
+        return f"gone ({e})"
+    keep = ("State", "PPid", "NSpgid", "SigPnd", "ShdPnd")
+    return "; ".join(line for line in status.splitlines() if line.split(":")[0] in keep) + f"; wchan {wchan}"
 
 
 @pytest.mark.timeout(150)
@@ -50,7 +63,7 @@ def test_bench_rejects_bad_options():
 
 
 @pytest.mark.netns
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(160)
 @pytest.mark.skipif(os.geteuid() != 0, reason="shaped links need root (ip netns, tc)")
 def test_bench_sigterm_removes_namespaces_and_workers():
     proc = subprocess.Popen([sys.executable, str(BENCH), "--sizes", "1M", "--links", "100mbit", "--reps", "50",
@@ -65,12 +78,17 @@ def test_bench_sigterm_removes_namespaces_and_workers():
                 break
         assert " rep " in line, proc.stderr.read()[-2000:]
         namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert f"{prefix}a" in namespaces and workers_alive()
+        assert f"{prefix}a" in namespaces
+        # this bench's workers and their p2pd, by PID and start time (other programs' processes are not its own)
+        table = process_table()
+        ours = {pid: table[pid] for pid in descendants({proc.pid}, table)}
+        assert len(set(ours) & set(workers_alive())) == 2 and any(st.comm == "p2pd" for st in ours.values())
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 130
+        assert proc.wait(timeout=100) == 130
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not workers_alive()
+    left = [pid for pid, st in ours.items() if is_alive(pid, st.start_ticks)]
+    assert not left, (proc.stderr.read()[-2000:], {pid: describe(pid) for pid in left})

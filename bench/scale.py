@@ -152,6 +152,26 @@ def proc_cpu_s(pid: int) -> tuple[float, float]:
     return own, rest
 
 
+async def _wire_bytes(_dht, node) -> tuple[int, int]:
+    """Run in the searcher's DHT process (DHT.run_coroutine): bytes its DHT node has received and sent in RPCs
+    (hivemind's unary calls through p2pd: finds, stores, pings; the serialized messages, without p2pd's framing),
+    counted from the first call on. This is what the network carries: a `latest` get takes a bucket from every
+    node it asks that holds a replica, while entry_bytes counts the merged result once."""
+    client = node.protocol.p2p._client
+    counts = client.__dict__.get("_gasloc_wire")
+    if counts is None:
+        counts = client._gasloc_wire = [0, 0]
+        call = client.call_unary_handler
+
+        async def counted(peer_id, handler_name, data):
+            counts[1] += len(data)
+            out = await call(peer_id, handler_name, data)
+            counts[0] += len(out)
+            return out
+        client.call_unary_handler = counted
+    return counts[0], counts[1]
+
+
 async def _forget_checks(_dht, node) -> int:
     """Run in the searcher's DHT process (DHT.run_coroutine): drop its validators' cached results
     (CachedSignatureValidator, BucketSchemaValidator), as if every record had been signed anew since the last
@@ -474,6 +494,7 @@ class Bench:
                     self.searcher_admission._cache.clear()
                 # our process whole (process_time): the bench thread and hivemind's thread that receives and
                 # unpickles each get's result; the callees' modelled CPU (thread_time, in this thread) is taken out
+                w0 = await self.searcher.run_coroutine(_wire_bytes, return_future=True)
                 (dht0, p2pd0), th0 = proc_cpu_s(self.searcher.pid), time.process_time()
                 b0, r0 = reader.bytes_read, responder.bytes_read
                 if design == "buckets":
@@ -482,6 +503,8 @@ class Bench:
                     res = await self.search_single(reader, me, truth)
                 th1 = time.process_time()      # before reading /proc (0.1 ms): the bench's own cost is not ours
                 dht1, p2pd1 = proc_cpu_s(self.searcher.pid)
+                w1 = await self.searcher.run_coroutine(_wire_bytes, return_future=True)
+                res.update(wire_in=w1[0] - w0[0], wire_out=w1[1] - w0[1])
                 callee = res.get("callee_cpu_s", 0.0)
                 res.update(dht_cpu_ms=1000 * (dht1 - dht0), p2pd_cpu_ms=1000 * (p2pd1 - p2pd0),
                            parse_cpu_ms=1000 * (th1 - th0 - callee), callee_cpu_ms=1000 * callee)
@@ -497,6 +520,8 @@ class Bench:
             rows.append({
                 "design": design, "members": n,
                 "dht_bytes_per_round": round(statistics.mean(r["bytes"] for r in per)),
+                "dht_wire_in_per_round": round(statistics.mean(r["wire_in"] for r in per)),
+                "dht_wire_out_per_round": round(statistics.mean(r["wire_out"] for r in per)),
                 "cpu_ms_per_round": round(statistics.mean(r["cpu_ms"] for r in per), 2),
                 "partner_found_s_median": round(statistics.median(found), 3) if found else None,
                 "partner_found_share": round(len(found) / len(per), 3),

@@ -15,7 +15,8 @@ from gasloc.runtime.procs import descendants, is_alive, read_stat
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "scale.py"
 FIELDS = {"design", "members", "dht_bytes_per_round", "cpu_ms_per_round", "partner_found_s_median",
           "partner_found_share", "searches", "listings_per_round", "startup_bytes", "buckets", "error",
-          "finds_per_round", "hint_checks_per_round", "signed_hints"}
+          "finds_per_round", "hint_checks_per_round", "signed_hints", "dht_wire_in_per_round",
+          "dht_wire_out_per_round"}
 
 
 @pytest.mark.timeout(420)
@@ -32,6 +33,8 @@ def test_quick_mode_rows_and_buckets_read_less_than_the_single_key(tmp_path):
     for x in rows:
         assert FIELDS <= set(x), FIELDS - set(x)
         assert x["error"] is None and x["dht_bytes_per_round"] > 0 and x["cpu_ms_per_round"] > 0
+        # the network carries at least the merged answer once (each replica asked sends its copy)
+        assert x["dht_wire_in_per_round"] >= 0.9 * x["dht_bytes_per_round"] and x["dht_wire_out_per_round"] > 0
         assert 0.0 <= x["partner_found_share"] <= 1.0
     by = {(x["design"], x["members"]): x for x in rows}
     assert by["buckets", 100]["dht_bytes_per_round"] < by["single-key", 100]["dht_bytes_per_round"] / 2

@@ -30,7 +30,10 @@ One search (one round of a searching peer):
               while nobody ready is free
 Fresh records (the default): before each search the searcher's cached record checks are dropped, as if every
 record had been re-signed since the last round, as a live swarm's are (`--static-records` keeps them).
-Figures per design and N: dht_bytes_per_round (searcher's gets + a lookup callee's check of it, entry_bytes),
+Figures per design and N: dht_bytes_per_round (searcher's gets + a lookup callee's check of it, entry_bytes: each
+get's merged answer counted once), dht_wire_in_per_round / dht_wire_out_per_round (what the searcher's DHT node
+received and sent in its RPCs: every node a get asks sends its own copy of the bucket, so with --get-beam 3 about
+three copies),
 cpu_ms_per_round (CPU of the searcher's DHT process and its p2pd, plus our own process's - the bench thread's
 parsing and checks and hivemind's thread receiving the gets' results - per search; split into dht_cpu_ms,
 p2pd_cpu_ms, parse_cpu_ms; the modelled callees' CPU is apart, callee_cpu_ms),
@@ -470,7 +473,8 @@ class Bench:
         for p in truth:                               # modelled callees' views
             by_bucket.setdefault(bucket_of(p, listing_level(level_for(n))), []).append(p)
         own = Membership(self.searcher, self.searcher_signer, run_id=run_id, peer_id=me, fingerprint="bench",
-                         protocol=1, ttl_s=o["ttl_s"], request_timeout_s=30.0, rng=random.Random(o["seed"]))
+                         protocol=1, ttl_s=o["ttl_s"], request_timeout_s=30.0, rng=random.Random(o["seed"]),
+                         beam=o["get_beam"])
         # bucket reads keep their records' signatures, as the live peer's do (Network sets the same sink), so
         # the searcher's reads take the daemon's path (a get run in the DHT process, _signed_get)
         if o["signed_hints"]:
@@ -494,7 +498,7 @@ class Bench:
                     self.searcher_admission._cache.clear()
                 # our process whole (process_time): the bench thread and hivemind's thread that receives and
                 # unpickles each get's result; the callees' modelled CPU (thread_time, in this thread) is taken out
-                w0 = await self.searcher.run_coroutine(_wire_bytes, return_future=True)
+                w0, x0 = await self.searcher.run_coroutine(_wire_bytes, return_future=True), own.wide_retries
                 (dht0, p2pd0), th0 = proc_cpu_s(self.searcher.pid), time.process_time()
                 b0, r0 = reader.bytes_read, responder.bytes_read
                 if design == "buckets":
@@ -504,7 +508,7 @@ class Bench:
                 th1 = time.process_time()      # before reading /proc (0.1 ms): the bench's own cost is not ours
                 dht1, p2pd1 = proc_cpu_s(self.searcher.pid)
                 w1 = await self.searcher.run_coroutine(_wire_bytes, return_future=True)
-                res.update(wire_in=w1[0] - w0[0], wire_out=w1[1] - w0[1])
+                res.update(wire_in=w1[0] - w0[0], wire_out=w1[1] - w0[1], wide_retries=own.wide_retries - x0)
                 callee = res.get("callee_cpu_s", 0.0)
                 res.update(dht_cpu_ms=1000 * (dht1 - dht0), p2pd_cpu_ms=1000 * (p2pd1 - p2pd0),
                            parse_cpu_ms=1000 * (th1 - th0 - callee), callee_cpu_ms=1000 * callee)
@@ -522,6 +526,7 @@ class Bench:
                 "dht_bytes_per_round": round(statistics.mean(r["bytes"] for r in per)),
                 "dht_wire_in_per_round": round(statistics.mean(r["wire_in"] for r in per)),
                 "dht_wire_out_per_round": round(statistics.mean(r["wire_out"] for r in per)),
+                "get_beam": o["get_beam"], "wide_retries": sum(r["wide_retries"] for r in per),
                 "cpu_ms_per_round": round(statistics.mean(r["cpu_ms"] for r in per), 2),
                 "partner_found_s_median": round(statistics.median(found), 3) if found else None,
                 "partner_found_share": round(len(found) / len(per), 3),
@@ -549,13 +554,14 @@ class Bench:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("design", "members", "KB/round", "CPU ms/round", "partner s (median)", "found", "buckets",
-            "estimate", "error")
+    head = ("design", "members", "KB/round (one copy)", "KB/round on the wire", "CPU ms/round", "partner s (median)",
+            "found", "buckets", "estimate", "error")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         med = r["partner_found_s_median"]
         lines.append("| " + " | ".join(str(x) for x in (
-            r["design"], r["members"], f"{r['dht_bytes_per_round'] / 1000:.1f}", f"{r['cpu_ms_per_round']:.1f}",
+            r["design"], r["members"], f"{r['dht_bytes_per_round'] / 1000:.1f}",
+            f"{r['dht_wire_in_per_round'] / 1000:.1f}", f"{r['cpu_ms_per_round']:.1f}",
             "-" if med is None else f"{med:.2f}", f"{r['partner_found_share']:.2f}", r["buckets"],
             r["estimate"] if r["estimate"] is not None else "-", r["error"] or "")) + " |")
     return "\n".join(lines)
@@ -585,7 +591,8 @@ def _table(rows: list[dict]) -> str:
                    "re-signed since the last round (a live record is re-announced every 5 s and at each state "
                    "change); --static-records keeps them (the runs before 2026-12-02)")
 @click.option("--get-beam", type=click.IntRange(1, 20), default=None,
-              help="DHT nodes a bucket get asks (the peer's GET_BEAM when not given): to weigh its cost")
+              help="DHT nodes a bucket get asks: 3 (GET_BEAM) as an open swarm's peer does when not given, 1 "
+                   "as a private swarm's (TRUSTED_GET_BEAM, with its retry of an empty bucket)")
 @click.option("--seed", default=0, type=int)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="write {'rows': [...]}")
 def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline_s, keys_path, callee_check,
@@ -600,7 +607,6 @@ def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline
     o = dict(searches=searches, dht_nodes=dht_nodes, ready_share=ready_share, busy_share=busy_share, call_s=call_s,
              deadline_s=deadline_s, seed=seed, ttl_s=3600.0, callee_check=callee_check, signed_hints=signed_hints,
              fresh_records=fresh_records, get_beam=get_beam or membership.GET_BEAM)
-    membership.GET_BEAM = o["get_beam"]     # read by BucketReader at each get, in this (the searcher's) process
     keys = load_keys(keys_path, max(sizes))
     # SIGTERM unwinds like Ctrl+C, through Bench.stop: without it the DHT processes died with us and left their
     # p2pd sockets and the bench's key directory behind

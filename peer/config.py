@@ -81,8 +81,9 @@ class SwarmConfig(_Section):
     run_id: str = Field("gasloc", description="name of the training run: peers of one run share its DHT key")
     key_path: Path | None = Field(None, description="swarm key file (`gasloc keygen FILE`) of a private swarm: "
                                   "every DHT request, exchange and state download must prove the same key; "
-                                  "peers without it are neither listed, served nor mixed with. Unset: an open "
-                                  "swarm (a stock hivemind DHT node works as its bootstrap)")
+                                  "peers without it are neither listed, served nor mixed with, and a membership "
+                                  "read asks one DHT node, not three (no stranger can hide records). Unset: an "
+                                  "open swarm (a stock hivemind DHT node works as its bootstrap)")
     announce_ttl_s: float = Field(15.0, ge=1, description="a peer's record expires this long after its last "
                                   "announcement (refreshed every ttl/3); also how long a dead peer stays listed")
     partner_deadline_s: float = Field(10.0, gt=0, description="per round, how long to look for a partner before "

@@ -357,8 +357,20 @@ def make_validators(run_id: str, identity: RSAPrivateKey | None = None) -> tuple
 # nearest (hivemind's num_replicas), so the 3 nearest a reader sees are among them unless its view and the writer's
 # differ by more than two nodes, and every node asked is one more RPC, parsed and checked in our DHT process and
 # carried by our p2pd: 3 instead of 5 cut a listing's CPU by about a third (bench/scale.py, docs/scale-results.md).
-# A single DHT node cannot hide a record from three: the answers are merged, and every record is signed
+# A single DHT node cannot hide a record from three: the answers are merged, and every record is signed.
+# Each node asked sends its whole copy of the bucket: 3 copies on the wire (bench/scale.py's wire bytes).
 GET_BEAM = 3
+# In a private swarm every DHT node holds the swarm key, so no node is a stranger that could hide records: a get
+# asks the nearest node alone, one copy on the wire. A bucket it answers empty is asked again of GET_BEAM nodes
+# (BucketReader.read): the nearest node may have died, or joined since the records were stored.
+TRUSTED_GET_BEAM = 1
+
+
+def listing_beam(private_swarm: bool) -> int:
+    """How many DHT nodes a get of a bucket asks: the nearest alone among key holders, three among strangers."""
+    return TRUSTED_GET_BEAM if private_swarm else GET_BEAM
+
+
 # Our DHT node pushes no result of a get to the nearest node that lacked it (hivemind's cache_nearest=1): that is
 # Kademlia's remedy for hot keys, and bucket keys are not hot; it cost one more store RPC per get, and a holder
 # answers from such a cached snapshot in place of its own storage when the snapshot's expiration is later
@@ -401,8 +413,11 @@ class BucketReader:
     those reads give. Coroutines for an event loop (the DHT calls return MPFutures, awaited without blocking).
     Counters for metrics and bench/scale.py: bytes_read (entry_bytes), gets."""
 
-    def __init__(self, dht, *, run_id: str, request_timeout_s: float = 10.0, rng: random.Random | None = None):
+    def __init__(self, dht, *, run_id: str, request_timeout_s: float = 10.0, rng: random.Random | None = None,
+                 beam: int = GET_BEAM):
         self.dht, self.run_id, self.request_timeout_s = dht, run_id, request_timeout_s
+        self.beam = beam                          # DHT nodes a get asks (listing_beam)
+        self.wide_retries = 0                     # buckets asked again of GET_BEAM nodes after an empty answer
         self.rng = rng or random.Random()
         self.estimate = SizeEstimate()
         self.level = 0
@@ -415,18 +430,20 @@ class BucketReader:
         # SignedRecords.keep); None: not kept, and reads take the plain get
         self.signed_sink: Callable[[str, WireMember], None] | None = None
 
-    async def _get(self, key: str, *, signed: bool = False):
-        """A DHT get of one key; None when it did not answer in time (which says nothing about who is alive). With
-        `signed` (bucket reads), the records' signed bytes go to `signed_sink` (signed hints)."""
+    async def _get(self, key: str, *, signed: bool = False, beam: int | None = None):
+        """A DHT get of one key, asking `beam` nodes (default: ours); None when it did not answer in time (which
+        says nothing about who is alive). With `signed` (bucket reads), the records' signed bytes go to
+        `signed_sink` (signed hints)."""
         self.gets += 1
+        beam = beam or self.beam
         with_signed = signed and self.signed_sink is not None and hasattr(self.dht, "run_coroutine")
         try:
             if with_signed:
                 found, raw = await asyncio.wait_for(self.dht.run_coroutine(
-                    functools.partial(_signed_get, key, GET_BEAM), return_future=True), self.request_timeout_s)
+                    functools.partial(_signed_get, key, beam), return_future=True), self.request_timeout_s)
             else:
                 found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True,
-                                                            beam_size=GET_BEAM), self.request_timeout_s)
+                                                            beam_size=beam), self.request_timeout_s)
         except TimeoutError:
             log.warning("dht_get_timeout key=%s timeout_s=%.1f", key, self.request_timeout_s)
             return None, False
@@ -453,6 +470,13 @@ class BucketReader:
         `sample`, each answered bucket adds to the size estimate."""
         results = await asyncio.gather(*(self._get(bucket_key(self.run_id, lv, b), signed=True)
                                          for lv, b in buckets))
+        if self.beam < GET_BEAM:   # one node asked, and it had nothing: ask the wider beam before believing it
+            empty = [i for i, (found, ok) in enumerate(results) if ok and found is None]
+            self.wide_retries += len(empty)
+            again = await asyncio.gather(*(self._get(bucket_key(self.run_id, *buckets[i]), signed=True,
+                                                     beam=GET_BEAM) for i in empty))
+            for i, result in zip(empty, again):
+                results[i] = result
         now = get_dht_time()
         out: dict[str, PeerRecord] = {}
         answered = False
@@ -533,8 +557,9 @@ class Membership(BucketReader):
     """Announce, refresh and withdraw this peer's record, and read others' (BucketReader)."""
 
     def __init__(self, dht, signer: RSASignatureValidator, *, run_id: str, peer_id: str, fingerprint: str,
-                 protocol: int, ttl_s: float, request_timeout_s: float = 10.0, rng: random.Random | None = None):
-        super().__init__(dht, run_id=run_id, request_timeout_s=request_timeout_s, rng=rng)
+                 protocol: int, ttl_s: float, request_timeout_s: float = 10.0, rng: random.Random | None = None,
+                 beam: int = GET_BEAM):
+        super().__init__(dht, run_id=run_id, request_timeout_s=request_timeout_s, rng=rng, beam=beam)
         self.signer, self.subkey = signer, signer.local_public_key
         self.peer_id, self.fingerprint, self.protocol = peer_id, fingerprint, protocol
         self.ttl_s = ttl_s

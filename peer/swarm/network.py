@@ -33,6 +33,7 @@ from gasloc.peer.swarm.membership import (
     Membership,
     PeerRecord,
     StatusView,
+    listing_beam,
     load_identity,
     make_validators,
     peer_id_of,
@@ -250,7 +251,8 @@ class Network:
                                      fingerprint=self.fingerprint, protocol=PROTOCOL_VERSION,
                                      ttl_s=self.cfg.swarm.announce_ttl_s,
                                      # a store or get stuck on an unresponsive DHT node must not outlive a refresh
-                                     request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3))
+                                     request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3),
+                                     beam=self._beam())
         net = self.cfg.network
         self.relay = RelayService(self.p2p, is_member=self.confirm_member, volunteer=False,
                                   max_circuits=net.forward_max_circuits, max_attached=net.forward_max_attached,
@@ -277,6 +279,10 @@ class Network:
                  1 << self.membership.level, self.membership.estimate.value, len(self.live))
 
     # ------------------------------------------------------------------ reachability (protocol/reach.py)
+    def _beam(self) -> int:
+        """DHT nodes a get of a bucket asks: in a private swarm (a swarm key) the nearest alone (listing_beam)."""
+        return listing_beam(self.cfg.swarm.key_path is not None)
+
     def _learn_reachability(self, replica) -> tuple[bool, str]:
         """(behind NAT?, how we know) by the dial-back probe of up to 5 peers: our initial peers first (a gasloc
         bootstrap answers; a lone first peer has nobody else to ask), then live peers of the run whose record says
@@ -284,7 +290,7 @@ class Network:
         net = self.cfg.network
         addrs = probe_addrs(list(net.announce_maddrs) or self.maddrs)
         listing = BucketReader(self.dht, run_id=self.cfg.swarm.run_id,
-                               request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3))
+                               request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3), beam=self._beam())
         found = self.aio.run(listing.probe(), net.startup_timeout_s + 1) or {}
         asked, answers = self.aio.run(self._ask_probers(replica, addrs, found), net.probe_timeout_s + 2)
         self._probed_at, self._probed_addrs = time.monotonic(), addrs

@@ -15,7 +15,16 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from gasloc.peer.config import PeerConfig
-from gasloc.peer.swarm.membership import BucketReader, Membership, bucket_key, peer_id_of, peers_key
+from gasloc.peer.swarm.membership import (
+    GET_BEAM,
+    TRUSTED_GET_BEAM,
+    BucketReader,
+    Membership,
+    bucket_key,
+    listing_beam,
+    peer_id_of,
+    peers_key,
+)
 from gasloc.peer.swarm.network import Network, PeerStatus
 from gasloc.protocol.buckets import BUCKET_TARGET, MAX_LEVEL, bucket_of, level_for
 from gasloc.runtime.lifecycle import StartupError
@@ -220,3 +229,41 @@ def test_a_search_lists_as_it_starts_then_backs_off(monkeypatch):
     clock[0] = 105.5
     net.search_begins()
     assert wanted.times == 5
+
+
+
+class BeamLog(FakeDHT):
+    """Records the beam of every get; with `nearest_gone`, a get that asks one node finds nothing (that node died,
+    or joined after the stores) while a wider one finds what the other holders keep."""
+
+    def __init__(self, nearest_gone: bool = False):
+        super().__init__()
+        self.nearest_gone = nearest_gone
+        self.beams: list[int] = []
+
+    async def get(self, key, latest=True, return_future=True, beam_size=None, **kwargs):
+        self.beams.append(beam_size)
+        found = await super().get(key, latest=latest, return_future=return_future)
+        return None if self.nearest_gone and beam_size == 1 else found
+
+
+def test_a_private_swarm_asks_one_node_per_get_and_an_open_one_three():
+    assert listing_beam(private_swarm=True) == TRUSTED_GET_BEAM == 1
+    assert listing_beam(private_swarm=False) == GET_BEAM == 3
+
+
+@pytest.mark.parametrize("nearest_gone", [False, True])
+def test_one_node_per_get_and_an_empty_answer_asked_again_of_the_wider_beam(signers, nearest_gone):
+    dht = BeamLog(nearest_gone)
+    m = _member(dht, signers[0], level=0)
+    assert _announce(m, state="exchanging")
+    trusted = BucketReader(dht, run_id=RUN, beam=TRUSTED_GET_BEAM)
+    assert set(asyncio.run(trusted.read([(0, 0)]))) == {m.peer_id}
+    # the nearest node answers: one node asked; it has nothing: the bucket is asked again of three
+    assert dht.beams == ([1, GET_BEAM] if nearest_gone else [1])
+    assert trusted.wide_retries == int(nearest_gone)
+    # among strangers three nodes are asked at once, and an empty answer is believed (nothing wider to ask)
+    dht.beams.clear()
+    open_reader = BucketReader(dht, run_id=RUN)
+    assert asyncio.run(open_reader.read([(1, 0)])) == {} and dht.beams == [GET_BEAM]
+    assert open_reader.wide_retries == 0

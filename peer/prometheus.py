@@ -72,8 +72,9 @@ METRICS: tuple[Metric, ...] = (
            "round", "swarm_estimate"),
     Metric("gauge", "gasloc_membership_buckets", "bucket keys the run's records are spread over, at this peer's "
            "level (protocol/buckets.py)", "round", "buckets"),
-    Metric("counter", "gasloc_dht_read_bytes", "bytes of membership records read from the DHT (listings, lookups)",
-           "round", "dht_bytes_read"),
+    Metric("counter", "gasloc_dht_read_bytes", "bytes of the membership records in the DHT's answers (listings, "
+           "lookups), each answer counted once; the network carries one copy per DHT node a get asks (3 in an open "
+           "swarm, 1 in a private one)", "round", "dht_bytes_read"),
     Metric("counter", "gasloc_signed_hints_refused", "signed records handed to us with hints that failed their "
            "check (forged, foreign, expired, misplaced) and were not used", "round", "signed_hints_refused"),
     Metric("counter", "gasloc_passed_over", "ready peers on much slower links passed over (swarm.slower_link_ratio)",

@@ -239,6 +239,10 @@ class Network:
         log.info("dht_started peer_id=%s maddrs=%s mode=%s", self.peer_id, ",".join(self.maddrs),
                  "client" if self.dht_client else "server")
 
+    def _beam(self) -> int:
+        """DHT nodes a get of a bucket asks: in a private swarm (a swarm key) the nearest alone (listing_beam)."""
+        return listing_beam(self.cfg.swarm.key_path is not None)
+
     def start_services(self) -> None:
         """The event loop thread, the p2p replica (same daemon and peer id as the DHT) and the membership."""
         if self.aio is None:
@@ -279,10 +283,6 @@ class Network:
                  1 << self.membership.level, self.membership.estimate.value, len(self.live))
 
     # ------------------------------------------------------------------ reachability (protocol/reach.py)
-    def _beam(self) -> int:
-        """DHT nodes a get of a bucket asks: in a private swarm (a swarm key) the nearest alone (listing_beam)."""
-        return listing_beam(self.cfg.swarm.key_path is not None)
-
     def _learn_reachability(self, replica) -> tuple[bool, str]:
         """(behind NAT?, how we know) by the dial-back probe of up to 5 peers: our initial peers first (a gasloc
         bootstrap answers; a lone first peer has nobody else to ask), then live peers of the run whose record says

@@ -1,5 +1,6 @@
 """bench/transport.py end to end on a tiny payload: it runs every method, checks what arrived, writes its JSON, and
 leaves no worker, namespace or socket file behind, also when it is interrupted."""
+import contextlib
 import json
 import os
 import signal
@@ -70,6 +71,7 @@ def test_bench_sigterm_removes_namespaces_and_workers():
                              "--methods", "tcp,gasloc", "--wires", "float32"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     prefix = f"gxb{proc.pid % 100000}"
+    ours: dict = {}
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:           # readiness: the first timed run is printed
@@ -77,18 +79,37 @@ def test_bench_sigterm_removes_namespaces_and_workers():
             if " rep " in line or not line:
                 break
         assert " rep " in line, proc.stderr.read()[-2000:]
-        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert f"{prefix}a" in namespaces
+        assert f"{prefix}a" in netns_list().split()
         # this bench's workers and their p2pd, by PID and start time (other programs' processes are not its own)
         table = process_table()
         ours = {pid: table[pid] for pid in descendants({proc.pid}, table)}
         assert len(set(ours) & set(workers_alive())) == 2 and any(st.comm == "p2pd" for st in ours.values())
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=100) == 130
+        assert not {f"{prefix}a", f"{prefix}b"} & set(netns_list().split())
+        left = [pid for pid, st in ours.items() if is_alive(pid, st.start_ticks)]
+        assert not left, (proc.stderr.read()[-2000:], {pid: describe(pid) for pid in left})
     finally:
-        if proc.poll() is None:
+        clean_up(proc, prefix, ours)
+
+
+def netns_list() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def clean_up(proc: subprocess.Popen, prefix: str, ours: dict) -> None:
+    """Whatever a failed run left: the bench gets SIGTERM (it removes its workers and namespaces), then whatever
+    is still there goes by force. A SIGKILL at once left two namespace pairs and three p2pd sockets behind here."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    left = [pid for pid, st in ours.items() if is_alive(pid, st.start_ticks)]
-    assert not left, (proc.stderr.read()[-2000:], {pid: describe(pid) for pid in left})
+    for pid, st in ours.items():
+        if is_alive(pid, st.start_ticks):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(st.pgid, signal.SIGKILL)
+    for name in {f"{prefix}a", f"{prefix}b"} & set(netns_list().split()):
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -364,6 +364,9 @@ GET_BEAM = 3
 # asks the nearest node alone, one copy on the wire. A bucket it answers empty is asked again of GET_BEAM nodes
 # (BucketReader.read): the nearest node may have died, or joined since the records were stored.
 TRUSTED_GET_BEAM = 1
+# A peer at level 0 whose listings show nobody else probes every level again at most this often (11 small gets):
+# alone in a small swarm, or stuck at level 0 in a large one (its probe came back empty).
+REPROBE_S = 30.0
 
 
 def listing_beam(private_swarm: bool) -> int:
@@ -421,6 +424,8 @@ class BucketReader:
         self.rng = rng or random.Random()
         self.estimate = SizeEstimate()
         self.level = 0
+        self.peer_id: str | None = None           # our own record, when we have one (Membership): not company
+        self._probed_at = -math.inf               # monotonic time of the last probe
         self.bytes_read = 0
         self.gets = 0
         self.expirations: dict[str, float] = {}   # peer id -> DHT expiration of its entry, as of the last read
@@ -499,13 +504,14 @@ class BucketReader:
         """One random bucket of every level: records are only where writers are (a writer stores in its level
         and the one below), so the estimate restarts from the levels that hold any, each a sample (the median of
         them: a lone writer with a wild estimate, high up, moves it little)."""
+        self._probed_at = time.monotonic()
         buckets = [(lv, self.rng.randrange(1 << lv)) for lv in range(MAX_LEVEL + 1)]
         results = await asyncio.gather(*(self._get(bucket_key(self.run_id, lv, b)) for lv, b in buckets))
         if not any(ok for _, ok in results):
             return None
         now = get_dht_time()
         out: dict[str, PeerRecord] = {}
-        self.estimate = SizeEstimate()
+        estimate = SizeEstimate()
         self.withdrawn = set()
         for (lv, _b), (found, ok) in zip(buckets, results):
             expirations: dict[str, float] = {}
@@ -513,21 +519,29 @@ class BucketReader:
             self.expirations.update(expirations)
             out.update(records)
             if records:
-                self.estimate.add(lv, len(records))
-        self.level = level_for(self.estimate.value)
+                estimate.add(lv, len(records))
+        # Nothing at any level says nothing about the size: hivemind's get answers None when the nodes it asked
+        # timed out, so a loaded DHT looks empty. Resetting to level 0 on that left a reader of a 100-member
+        # swarm at level 0 (a CI run of bench/scale.py), whose buckets hold only level-0 and level-1 writers:
+        # it would have listed nobody from then on. The estimate and level stand; the next empty listing probes.
+        if estimate.samples:
+            self.estimate = estimate
+            self.level = level_for(estimate.value)
         log.debug("membership_probe estimate=%.0f level=%d", self.estimate.value, self.level)
         return out
 
     async def listing(self, count: int = 1) -> dict[str, PeerRecord] | None:
         """`count` random buckets of the level below ours (`listing_level`: each holds the copies of two of our
         level's buckets; at level 0 or 1 the one bucket of level 0 is the whole swarm), others than the last
-        ones read. An empty answer from a level above 0 sends us to `probe`: the swarm shrank, or our level is
-        off."""
+        ones read. An answer with nobody but us sends us to `probe`: the swarm shrank, or our level is off (at
+        level 0, where a lone peer lists only itself, at most every REPROBE_S: a reader stuck there in a large
+        swarm would otherwise see only the few peers as lost as itself)."""
         lv = listing_level(self.level)
         picks = buckets_to_read(lv, count, self.rng, skip=self._recent)
         self._recent = (self._recent + picks)[-max(1, (1 << lv) // 2):]
         found = await self.read([(lv, b) for b in picks])
-        if found is not None and not found and self.level > 0:
+        alone = found is not None and not (found.keys() - {self.peer_id})
+        if alone and (self.level > 0 or time.monotonic() - self._probed_at >= REPROBE_S):
             return await self.probe()
         return found
 

@@ -17,6 +17,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from gasloc.peer.config import PeerConfig
 from gasloc.peer.swarm.membership import (
     GET_BEAM,
+    REPROBE_S,
     TRUSTED_GET_BEAM,
     BucketReader,
     Membership,
@@ -159,6 +160,43 @@ def test_a_listing_reads_one_bucket_of_the_level_below_with_the_writers_of_ours_
     reader = BucketReader(small, run_id=RUN)
     reader.level = 1
     assert set(asyncio.run(reader.listing())) == {m.peer_id for m in few} and small.gets == [f"{RUN}_m0_0"]
+
+
+class Blackout(FakeDHT):
+    """A loaded DHT: while `dark`, every get answers None, as hivemind's does when the nodes it asked time out."""
+    dark = False
+
+    async def get(self, key, latest=True, return_future=True, **kwargs):
+        found = await super().get(key, latest=latest, **kwargs)
+        return None if self.dark else found
+
+
+def test_an_empty_probe_keeps_the_level_and_a_reader_alone_at_level_0_probes_again(signers):
+    dht = Blackout()
+    for s in signers[:120]:
+        assert _announce(_member(dht, s, level=4))
+    reader = BucketReader(dht, run_id=RUN, rng=random.Random(2))
+    reader.level = 4
+    dht.dark = True
+    assert asyncio.run(reader.listing()) == {}     # empty listing -> probe, which also sees nothing
+    assert reader.level == 4                       # nothing anywhere says nothing about the size (was: level 0)
+    dht.dark = False
+    assert len(asyncio.run(reader.listing())) > BUCKET_TARGET
+    # a peer that came to level 0 anyway (it started while the DHT was dark) lists only itself there
+    lost = _member(dht, signers[150], level=0)
+    assert _announce(lost)
+    assert set(asyncio.run(lost.listing())) > {lost.peer_id} and lost.level in (3, 4, 5)   # it probed
+    alone = _member(Blackout(), signers[151], level=0)
+    assert _announce(alone)
+    gets = alone.gets
+    assert set(asyncio.run(alone.listing())) == {alone.peer_id} and alone.gets - gets == 1 + MAX_LEVEL + 1
+    gets = alone.gets
+    asyncio.run(alone.listing())
+    assert alone.gets - gets == 1                  # a lone peer probes again only after REPROBE_S
+    alone._probed_at -= REPROBE_S                  # as if REPROBE_S had passed
+    gets = alone.gets
+    asyncio.run(alone.listing())
+    assert alone.gets - gets == 1 + MAX_LEVEL + 1
 
 
 def test_legacy_records_under_the_single_key_are_found(signers):

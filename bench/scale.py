@@ -553,6 +553,18 @@ class Bench:
         return rows
 
 
+async def _cancel_on_sigterm(coro):
+    """Await `coro`; SIGTERM meanwhile cancels it (asyncio.run then raises CancelledError), as the loop does for
+    SIGINT. Afterwards SIGTERM raises KeyboardInterrupt again."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    try:
+        return await coro
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def _table(rows: list[dict]) -> str:
     head = ("design", "members", "KB/round (one copy)", "KB/round on the wire", "CPU ms/round", "partner s (median)",
             "found", "buckets", "estimate", "error")
@@ -608,12 +620,13 @@ def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline
              deadline_s=deadline_s, seed=seed, ttl_s=3600.0, callee_check=callee_check, signed_hints=signed_hints,
              fresh_records=fresh_records, get_beam=get_beam or membership.GET_BEAM)
     keys = load_keys(keys_path, max(sizes))
-    # SIGTERM is Ctrl+C, so that it unwinds through Bench.stop (without it the DHT processes died with us and left
-    # their p2pd sockets and the bench's key directory behind). Sent on as SIGINT, not raised as KeyboardInterrupt
-    # here: inside asyncio.run, SIGINT cancels the main task and every await unwinds; a KeyboardInterrupt raised
+    # SIGTERM unwinds like Ctrl+C, through Bench.stop (without it the DHT processes died with us and left their
+    # p2pd sockets and the bench's key directory behind): outside the event loop as KeyboardInterrupt, inside it
+    # by cancelling the main task (_cancel_on_sigterm), so that every await unwinds. A KeyboardInterrupt raised
     # wherever the loop happened to be landed once in one of a probe's gathered gets, and asyncio printed that
-    # task's traceback at shutdown. Outside the loop SIGINT raises KeyboardInterrupt as usual
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    # task's traceback at shutdown. (Not by sending ourselves SIGINT: a process started in the background by a
+    # non-interactive shell, as CI starts it, inherits SIGINT ignored.)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     rows: list[dict] = []
     # fresh DHT processes for every size: a row does not inherit the earlier rows' records, and in one invocation
     # of 100, 1,000 and 5,000 every one of the 15,000 stores at 5,000 was refused (0 records visible), which the
@@ -622,7 +635,9 @@ def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline
         bench = Bench(o)
         try:
             bench.start([f"scale-n{n}"], keys[:n])
-            rows += asyncio.run(bench.measure(f"scale-n{n}", n))
+            rows += asyncio.run(_cancel_on_sigterm(bench.measure(f"scale-n{n}", n)))
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt from None
         finally:
             bench.stop()
     print(_table(rows))

@@ -77,6 +77,15 @@ def _announce(m: Membership, state="training") -> bool:
     return asyncio.run(m.announce(m.record(state=state, round=1, throughput_tps=1.0, bandwidth_bps=0.0)))
 
 
+def _reader_of_swarm(dht, signers, level: int, seed: int) -> BucketReader:
+    """A reader at `level` of a swarm whose members (one per signer) all announced at `level`."""
+    for s in signers:
+        assert _announce(_member(dht, s, level=level))
+    reader = BucketReader(dht, run_id=RUN, rng=random.Random(seed))
+    reader.level = level
+    return reader
+
+
 def test_a_record_goes_to_its_bucket_of_its_level_and_the_one_below_and_leaves_them_all(signers):
     dht = FakeDHT()
     m = _member(dht, signers[0], level=5)
@@ -125,10 +134,7 @@ def test_a_reader_finds_the_level_estimates_the_size_and_reads_a_bucket_not_the_
 
 def test_listings_cover_other_buckets_and_an_empty_level_sends_the_reader_to_probe(signers):
     dht = FakeDHT()
-    for s in signers[:100]:
-        assert _announce(_member(dht, s, level=3))
-    reader = BucketReader(dht, run_id=RUN, rng=random.Random(5))
-    reader.level = 3
+    reader = _reader_of_swarm(dht, signers[:100], level=3, seed=5)
     seen = set()
     for _ in range(8):
         seen |= set(asyncio.run(reader.listing()) or {})
@@ -173,10 +179,7 @@ class Blackout(FakeDHT):
 
 def test_an_empty_probe_keeps_the_level_and_a_reader_alone_at_level_0_probes_again(signers):
     dht = Blackout()
-    for s in signers[:120]:
-        assert _announce(_member(dht, s, level=4))
-    reader = BucketReader(dht, run_id=RUN, rng=random.Random(2))
-    reader.level = 4
+    reader = _reader_of_swarm(dht, signers[:120], level=4, seed=2)
     dht.dark = True
     assert asyncio.run(reader.listing()) == {}     # empty listing -> probe, which also sees nothing
     assert reader.level == 4                       # nothing anywhere says nothing about the size (was: level 0)

@@ -523,7 +523,8 @@ class BucketReader:
         # Nothing at any level says nothing about the size: hivemind's get answers None when the nodes it asked
         # timed out, so a loaded DHT looks empty. Resetting to level 0 on that left a reader of a 100-member
         # swarm at level 0 (a CI run of bench/scale.py), whose buckets hold only level-0 and level-1 writers:
-        # it would have listed nobody from then on. The estimate and level stand; the next empty listing probes.
+        # it would have listed nobody from then on. The estimate and level stand; a listing that shows nobody but us
+        # probes again (listing).
         if estimate.samples:
             self.estimate = estimate
             self.level = level_for(estimate.value)

@@ -15,6 +15,7 @@ on Ctrl+C, SIGTERM or an exception. Prints a table with ratios against tcp and a
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import click
 
-from gasloc.runtime.procs import process_table
+from gasloc.runtime.procs import become_subreaper, process_table
 from gasloc.runtime.sockets import owned_sockets, remove, subtree
 
 WORKER = Path(__file__).with_name("transport_worker.py")
@@ -131,21 +132,31 @@ class WorkerProc:
         except ProcessLookupError:
             pass
         self.proc.wait()
-        # a killed process with torch's mappings takes a moment to go, and the worker's forked children are not
-        # ours to wait for: wait until the group is empty, so that once the bench exits its workers are gone (the
-        # SIGTERM test found four still dying under a loaded machine's test suite)
-        deadline = time.monotonic() + GROUP_GONE_S
-        while left := [st for st in process_table().values()
-                       if st.pgid == self.proc.pid and st.state not in ("Z", "X")]:
-            if time.monotonic() > deadline:
-                print(f"worker {self.role}: {len(left)} killed process(es) still there after {GROUP_GONE_S:.0f} s: "
-                      + ", ".join(f"{st.pid} ({st.comm}, state {st.state})" for st in left), file=sys.stderr)
-                break
-            time.sleep(0.05)
         self.log.close()
 
 
-GROUP_GONE_S = 30.0   # a SIGKILLed process in uninterruptible I/O goes only when that I/O ends (a loaded CI disk)
+def reap_descendants(timeout_s: float) -> None:
+    """Kill and reap every child we still have. main() made us a subreaper, so each orphaned descendant of a worker
+    (its DHT and averager processes, their p2pd) became our child when its parent died, whatever process group or
+    session it had moved to: once this returns, nothing the workers started runs. Waiting for the worker's process
+    group alone let one forked worker process outlive the bench in CI."""
+    me, deadline = os.getpid(), time.monotonic() + timeout_s
+    while kids := [st for st in process_table().values() if st.ppid == me]:
+        for st in kids:
+            if st.state not in ("Z", "X"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(st.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(st.pid, os.WNOHANG)
+        if time.monotonic() > deadline:
+            # a SIGKILLed process in uninterruptible I/O goes only when that I/O ends (a loaded CI disk)
+            print(f"{len(kids)} killed process(es) still there after {timeout_s:.0f} s: "
+                  + ", ".join(f"{st.pid} ({st.comm}, state {st.state})" for st in kids), file=sys.stderr)
+            return
+        time.sleep(0.05)
+
+
+DESCENDANTS_GONE_S = 30.0
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -247,6 +258,7 @@ def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], 
         failing = sys.exc_info()[0] is not None      # interrupted or failed: do not wait long for a busy worker
         for w in workers:
             w.stop(graceful_s=2 if failing else 15)
+        reap_descendants(DESCENDANTS_GONE_S)
         remove(sockets)
         if netns is not None:
             netns.down()
@@ -325,6 +337,7 @@ def main(sizes, links, wires, methods, reps, warmup, quick, uvloop, max_streams,
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGHUP, interrupt)
+    become_subreaper()     # orphaned worker descendants become our children, so run_link can reap every one
 
     rows: list[dict] = []
     t0 = time.monotonic()

@@ -31,8 +31,13 @@ NS = "gxbench"
 log = logging.getLogger("transport_worker")
 
 
+# loaded here, not in the forked DHT/averager child: a dlopen in a child forked from a multi-threaded process can block
+# on the loader lock another thread held at fork time
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
 def die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG
+    _LIBC.prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG
 
 
 def make_tensors(params: int, seed: int) -> list[torch.Tensor]:

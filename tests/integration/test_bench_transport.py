@@ -39,7 +39,7 @@ def describe(pid: int) -> str:
         wchan = Path(f"/proc/{pid}/wchan").read_text()
     except OSError as e:
         return f"gone ({e})"
-    keep = ("State", "PPid", "NSpgid", "SigPnd", "ShdPnd")
+    keep = ("State", "PPid", "NSpgid", "NSsid", "Threads", "SigPnd", "ShdPnd")
     return "; ".join(line for line in status.splitlines() if line.split(":")[0] in keep) + f"; wchan {wchan}"
 
 
@@ -55,7 +55,8 @@ def test_bench_quick_loopback_all_methods(tmp_path):
     for x in rows:
         assert x["link"] == "loopback" and x["params"] == 1_000_000 and x["seconds"] > 0 and x["mb_s_each_way"] > 0
     assert "vs averager" in r.stdout and "target >= 2.0x" in r.stdout
-    assert not workers_alive()
+    left = workers_alive()
+    assert not left, ({pid: describe(pid) for pid in left}, r.stderr[-2000:])
 
 
 def test_bench_rejects_bad_options():
@@ -113,3 +114,36 @@ def clean_up(proc: subprocess.Popen, prefix: str, ours: dict) -> None:
                 os.killpg(st.pgid, signal.SIGKILL)
     for name in {f"{prefix}a", f"{prefix}b"} & set(netns_list().split()):
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+# A worker descendant that left the worker's process group and session (the killpg in WorkerProc.stop misses it),
+# then lost its parent: reap_descendants must still find and kill it, since the subreaper inherited it.
+_REAP_PROGRAM = """
+import importlib.util, os, subprocess, sys
+spec = importlib.util.spec_from_file_location("transport_bench", sys.argv[1])
+tb = sys.modules["transport_bench"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tb)
+tb.become_subreaper()
+escape = ("import os, time\\nif os.fork() == 0:\\n    os.setsid(); print(os.getpid(), flush=True)\\n"
+          "    null = os.open(os.devnull, os.O_WRONLY); os.dup2(null, 1); os.dup2(null, 2); time.sleep(600)")
+child = subprocess.Popen([sys.executable, "-c", escape], stdout=subprocess.PIPE, text=True)
+grandchild = int(child.stdout.readline())
+child.wait()
+print(grandchild, tb.process_table()[grandchild].ppid == os.getpid(), flush=True)
+tb.reap_descendants(10)
+print(grandchild, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_reap_descendants_kills_an_orphan_that_left_the_workers_session():
+    r = subprocess.run([sys.executable, "-c", _REAP_PROGRAM, str(BENCH)], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr[-2000:]
+    first, last = r.stdout.split("\n")[:2]
+    pid, ours = first.split()
+    try:
+        assert ours == "True", "the orphan was not re-parented to the subreaper"
+        assert last == pid and not Path(f"/proc/{pid}").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)

@@ -81,11 +81,35 @@ def address_scope(maddr: str) -> str:
     return "public" if ip.is_global else "private"
 
 
+# multiaddr protocols that take a value (the next path component), and the ones that take none; a protocol in
+# neither ends the check (p2pd judges the rest)
+_VALUED = {"ip4", "ip6", "tcp", "udp", "dns", "dns4", "dns6", "dnsaddr", "p2p", "ipfs"}
+_BARE = {"quic", "quic-v1", "ws", "wss", "tls", "noise", "p2p-circuit", "webtransport", "http", "https"}
+
+
 def check_maddrs(v: list[str] | None) -> list[str] | None:
-    """A listen/announce multiaddr must at least look like one."""
+    """A listen/announce multiaddr must look like one, with ports in 0-65535 and IP addresses that parse: caught
+    here, a typo is a one-line config error, not a p2pd start-up failure after the node has begun to start."""
     for m in v or ():
         if not m.startswith("/"):
             raise ValueError(f"{m!r} is not a multiaddr (like /ip4/0.0.0.0/tcp/31337)")
+        parts, i = m.split("/")[1:], 0
+        while i < len(parts) and parts[i] in _VALUED | _BARE:
+            proto = parts[i]
+            if proto in _BARE:
+                i += 1
+                continue
+            value = parts[i + 1] if i + 1 < len(parts) else ""
+            if proto in ("tcp", "udp") and not (value.isdigit() and int(value) <= 65535):
+                raise ValueError(f"{m!r}: {proto} port {value!r} is not a number from 0 to 65535")
+            if proto in ("ip4", "ip6"):
+                try:
+                    (ipaddress.IPv4Address if proto == "ip4" else ipaddress.IPv6Address)(value)
+                except ValueError:
+                    raise ValueError(f"{m!r}: {value!r} is not an {proto} address") from None
+            if not value:
+                raise ValueError(f"{m!r}: /{proto} needs a value")
+            i += 2
     return v
 
 

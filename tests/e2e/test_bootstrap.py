@@ -222,5 +222,8 @@ def test_bad_config_is_one_line_exit_2(harness, tmp_path):
     assert "unknown key 'prot'" in r.stderr
     r = harness.run("bootstrap", "--announce-maddrs", "/ip4/1.2.3.4/tcp/0", timeout_s=60)
     assert r.returncode == 2 and "port 0" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # a port out of range: a config error before anything starts (it was p2pd's start-up failure, exit 1)
+    r = harness.run("bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/99999", timeout_s=60)
+    assert r.returncode == 2 and "tcp port '99999'" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = harness.run("bootstrap", "--print-config", "--port", "4001", "--run-id", "x", timeout_s=60)
     assert r.returncode == 0 and "port = 4001" in r.stdout and 'run_id = "x"' in r.stdout

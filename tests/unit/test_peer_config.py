@@ -47,6 +47,11 @@ def test_precedence_toml_then_env_then_flags(tmp_path):
     ("[outer]\nalgorithm = \"local\"\n", {}, "never communicates"),
     ("[run]\ndevice = \"tpu\"\n", {}, "'run.device'"),
     ("[network]\nannounce_maddrs = [\"/ip4/1.2.3.4/tcp/0\"]\n", {}, "has port 0"),
+    ("[network]\nhost_maddrs = [\"/ip4/127.0.0.1/tcp/99999\"]\n", {}, "tcp port '99999' is not a number from 0"),
+    ("[network]\nhost_maddrs = [\"/ip4/0.0.0.0/udp/x/quic\"]\n", {}, "udp port 'x'"),
+    ("[network]\nhost_maddrs = [\"/ip4/300.1.1.1/tcp/1\"]\n", {}, "'300.1.1.1' is not an ip4 address"),
+    ("[network]\nannounce_maddrs = [\"/ip6/1.2.3.4/tcp/5\"]\n", {}, "'1.2.3.4' is not an ip6 address"),
+    ("[network]\nhost_maddrs = [\"/ip4/127.0.0.1/tcp\"]\n", {}, "tcp port '' is not"),
 ])
 def test_mistakes_are_one_line_errors_naming_the_field(tmp_path, toml, env, needle):
     f = tmp_path / "peer.toml"

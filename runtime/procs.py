@@ -338,8 +338,14 @@ class Supervisor:
         with self._lock:
             for pid, name in owner.items():
                 st = table.get(pid)
-                if st is not None and st.state not in ("Z", "X"):
-                    self._seen.setdefault(pid, (st.start_ticks, st.comm, name))
+                if st is None or st.state in ("Z", "X"):
+                    continue
+                prev = self._seen.get(pid)
+                # a process seen between fork and exec has its parent's name (python3.11 for a p2pd or a `sleep`
+                # about to start): the same process (same start time) seen again keeps its newest name; a reused
+                # PID (another start time) does not replace the process we recorded
+                if prev is None or prev[0] == st.start_ticks:
+                    self._seen[pid] = (st.start_ticks, st.comm, prev[2] if prev else name)
             for path, name in socks.items():
                 self._sockets.setdefault(path, name)
 

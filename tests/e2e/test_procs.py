@@ -70,3 +70,32 @@ def test_ready_deadline(tmp_path):
         assert not sup.leftovers()
     finally:
         sup.cleanup()
+
+
+# A grandchild that waits between fork and exec: the watcher sees it first with its parent's name, then as `sleep`.
+SLOW_EXEC = textwrap.dedent("""
+    import os, sys, time
+    from gasloc.runtime.procs import emit_ready
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(0.6)                       # several watcher snapshots (every 0.1 s) before the exec
+        os.execvp("sleep", ["sleep", "300"])
+    time.sleep(1.5)
+    emit_ready("peer", "fake-id", ["/ip4/127.0.0.1/tcp/1/p2p/fake-id"])
+    time.sleep(300)
+""")
+
+
+def test_a_process_seen_before_its_exec_is_named_by_what_it_runs_now(tmp_path):
+    sup = Supervisor(watch_interval_s=0.1)
+    try:
+        child = sup.start("forker", [sys.executable, "-c", SLOW_EXEC], tmp_path / "forker.log")
+        sup.wait_ready(child, 30)
+        names = dict(sup.tree("forker"))
+        # the child itself and its grandchild, which ran as python3.11 for 0.6 s and then became `sleep` (it
+        # kept the first name it was seen with, so `gasloc swarm`'s and the harness's trees could miss a p2pd)
+        assert sorted(names.values()) == sorted([os.path.basename(sys.executable)[:15], "sleep"]), names
+        assert sup.stop("forker", grace_s=5) == -15
+        assert not sup.leftovers()
+    finally:
+        sup.cleanup()

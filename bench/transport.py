@@ -139,23 +139,29 @@ def reap_descendants(timeout_s: float) -> None:
     """Kill and reap every child we still have. main() made us a subreaper, so each orphaned descendant of a worker
     (its DHT and averager processes, their p2pd) became our child when its parent died, whatever process group or
     session it had moved to: once this returns, nothing the workers started runs. Waiting for the worker's process
-    group alone let one forked worker process outlive the bench in CI."""
+    group alone let one forked worker process outlive the bench in CI.
+
+    Except torch's shared-memory manager (hivemind shares tensors through /dev/shm): it runs in a session of its own
+    and removes its files and exits 2 s after its last client is gone; killed, it would leave them behind. It gets
+    until the deadline."""
     me, deadline = os.getpid(), time.monotonic() + timeout_s
     while kids := [st for st in process_table().values() if st.ppid == me]:
+        late = time.monotonic() > deadline
         for st in kids:
-            if st.state not in ("Z", "X"):
+            if st.state not in ("Z", "X") and (st.comm != SHM_MANAGER or late):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(st.pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(st.pid, os.WNOHANG)
-        if time.monotonic() > deadline:
+        if late:
             # a SIGKILLed process in uninterruptible I/O goes only when that I/O ends (a loaded CI disk)
-            print(f"{len(kids)} killed process(es) still there after {timeout_s:.0f} s: "
+            print(f"{len(kids)} process(es) still there after {timeout_s:.0f} s (killed now): "
                   + ", ".join(f"{st.pid} ({st.comm}, state {st.state})" for st in kids), file=sys.stderr)
             return
         time.sleep(0.05)
 
 
+SHM_MANAGER = "torch_shm_manag"   # torch_shm_manager as /proc names it (15 characters)
 DESCENDANTS_GONE_S = 30.0
 
 

@@ -1,6 +1,7 @@
 """bench/transport.py end to end on a tiny payload: it runs every method, checks what arrived, writes its JSON, and
 leaves no worker, namespace or socket file behind, also when it is interrupted."""
 import contextlib
+import glob
 import json
 import os
 import signal
@@ -43,9 +44,15 @@ def describe(pid: int) -> str:
     return "; ".join(line for line in status.splitlines() if line.split(":")[0] in keep) + f"; wchan {wchan}"
 
 
+def shm_files_of_the_dead() -> set[str]:
+    """/dev/shm/torch_<pid>_* files whose creating process is gone (its torch_shm_manager removes them, unless killed)."""
+    return {f for f in glob.glob("/dev/shm/torch_*") if not Path(f"/proc/{f.split('_')[1]}").exists()}
+
+
 @pytest.mark.timeout(150)
 def test_bench_quick_loopback_all_methods(tmp_path):
     out = tmp_path / "rows.json"
+    shm_before = shm_files_of_the_dead()
     r = subprocess.run([sys.executable, str(BENCH), "--sizes", "1M", "--links", "loopback", "--reps", "1",
                         "--warmup", "0", "--json", str(out)], capture_output=True, text=True, timeout=140)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -57,6 +64,12 @@ def test_bench_quick_loopback_all_methods(tmp_path):
     assert "vs averager" in r.stdout and "target >= 2.0x" in r.stdout
     left = workers_alive()
     assert not left, ({pid: describe(pid) for pid in left}, r.stderr[-2000:])
+    # the averager's shared tensors: their manager removes them 2 s after the last worker is gone (a sweep that
+    # SIGKILLed it left ten files per run)
+    deadline = time.monotonic() + 15
+    while (shm_left := shm_files_of_the_dead() - shm_before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not shm_left
 
 
 def test_bench_rejects_bad_options():

@@ -40,8 +40,12 @@ class SessionWatch:
                     self.sockets[paths[i]] = f"pid {pid} {st.comm if st else '?'}, during {self.test}"
         for pid in pids:
             st = table.get(pid)
-            if st is not None and st.state not in ("Z", "X"):
-                self.seen.setdefault(pid, (st.start_ticks, st.comm))
+            # the newest name of the same process (same start time): one seen between fork and exec has its parent's
+            # (python3.11 for a torch_shm_manager, which _alive lets linger)
+            if st is None or st.state in ("Z", "X"):
+                continue
+            if pid not in self.seen or self.seen[pid][0] == st.start_ticks:
+                self.seen[pid] = (st.start_ticks, st.comm)
 
     def _loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):

@@ -23,6 +23,7 @@ class SessionWatch:
     def __init__(self, interval_s: float = 1.0):
         self.root = os.getpid()
         self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start ticks, comm)
+        self.seen_during: dict[int, str] = {}  # pid -> the test running when it was first seen, for the leak report
         self.sockets: dict[str, str] = {}  # path -> who held it when first seen (pid, command, running test)
         self.test = "-"  # the test running now (pytest_runtest_logstart), for the leak report
         self._stop = threading.Event()
@@ -46,6 +47,7 @@ class SessionWatch:
                 continue
             if pid not in self.seen or self.seen[pid][0] == st.start_ticks:
                 self.seen[pid] = (st.start_ticks, st.comm)
+                self.seen_during.setdefault(pid, self.test)
 
     def _loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
@@ -66,7 +68,8 @@ class SessionWatch:
             alive = self._alive()
         problems = []
         if alive:
-            problems.append(f"processes still running: {', '.join(f'{p} {c}' for p, c in alive)}")
+            problems.append("processes still running: " + ", ".join(
+                f"{p} {c} (seen first during {self.seen_during[p]})" for p, c in alive))
             for pid, _ in alive:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -77,7 +80,9 @@ class SessionWatch:
         if stale:
             problems.append(f"hivemind unix sockets left: {', '.join(f'{p} ({self.sockets[p]})' for p in stale)}")
         if shm:
-            problems.append(f"/dev/shm files left: {', '.join(shm)}")
+            problems.append("/dev/shm files left: " + ", ".join(
+                f"{f} (of pid {pid} {self.seen[pid][1]}, seen first during {self.seen_during[pid]})"
+                for f in shm for pid in [int(f.split("_")[1])]))
         for path in stale + shm:
             try:
                 os.unlink(path)

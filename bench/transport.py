@@ -10,8 +10,8 @@ Links: loopback, and two network namespaces joined by a veth pair shaped with tb
     python bench/transport.py --quick --json out.json      # 25M only, loopback + 1 Gbit
     python bench/transport.py --json out.json               # 25M and 100M, loopback + 100 Mbit + 1 Gbit
 
-Shaped links need root (ip netns, tc). Namespaces, links and worker process groups are removed afterwards, also
-on Ctrl+C, SIGTERM or an exception. Prints a table with ratios against tcp and against the averager.
+Shaped links need root (ip netns, tc). Namespaces, links, the workers and every process they started are removed
+afterwards, also on Ctrl+C, SIGTERM or an exception. Prints a table with ratios against tcp and against the averager.
 """
 from __future__ import annotations
 

@@ -138,8 +138,8 @@ class WorkerProc:
 def reap_descendants(timeout_s: float) -> None:
     """Kill and reap every child we still have. main() made us a subreaper, so each orphaned descendant of a worker
     (its DHT and averager processes, their p2pd) became our child when its parent died, whatever process group or
-    session it had moved to: once this returns, nothing the workers started runs. Waiting for the worker's process
-    group alone let one forked worker process outlive the bench in CI.
+    session it had moved to: once this returns, nothing the workers started runs. (A wait for each worker's process
+    group came before this; after it, CI once still found a worker process alive, which that wait cannot explain.)
 
     Except torch's shared-memory manager (hivemind shares tensors through /dev/shm): it runs in a session of its own
     and removes its files and exits 2 s after its last client is gone; killed, it would leave them behind. It gets

@@ -44,30 +44,41 @@ def describe(pid: int) -> str:
     return "; ".join(line for line in status.splitlines() if line.split(":")[0] in keep) + f"; wchan {wchan}"
 
 
-def shm_files_of_the_dead() -> set[str]:
-    """/dev/shm/torch_<pid>_* files whose creating process is gone (its torch_shm_manager removes them, unless killed)."""
-    return {f for f in glob.glob("/dev/shm/torch_*") if not Path(f"/proc/{f.split('_')[1]}").exists()}
-
-
 @pytest.mark.timeout(150)
 def test_bench_quick_loopback_all_methods(tmp_path):
     out = tmp_path / "rows.json"
-    shm_before = shm_files_of_the_dead()
-    r = subprocess.run([sys.executable, str(BENCH), "--sizes", "1M", "--links", "loopback", "--reps", "1",
-                        "--warmup", "0", "--json", str(out)], capture_output=True, text=True, timeout=140)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, str(BENCH), "--sizes", "1M", "--links", "loopback", "--reps", "1",
+                             "--warmup", "0", "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    ours: set[int] = set()       # the bench's processes, seen while it runs (for their /dev/shm files below)
+    deadline = time.monotonic() + 140
+    try:
+        while True:
+            ours |= descendants({proc.pid})
+            try:
+                stdout, stderr = proc.communicate(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                assert time.monotonic() < deadline, "the bench took over 140 s"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert {(x["method"], x["wire_dtype"]) for x in rows} == {
         (m, w) for m in ("gasloc", "tcp", "hivemind_raw_stream", "hivemind_averager") for w in ("float32", "float16")}
     for x in rows:
         assert x["link"] == "loopback" and x["params"] == 1_000_000 and x["seconds"] > 0 and x["mb_s_each_way"] > 0
-    assert "vs averager" in r.stdout and "target >= 2.0x" in r.stdout
+    assert "vs averager" in stdout and "target >= 2.0x" in stdout
     left = workers_alive()
-    assert not left, ({pid: describe(pid) for pid in left}, r.stderr[-2000:])
-    # the averager's shared tensors: their manager removes them 2 s after the last worker is gone (a sweep that
-    # SIGKILLed it left ten files per run)
+    assert not left, ({pid: describe(pid) for pid in left}, stderr[-2000:])
+    assert len(ours) > 4, ours       # both workers, their DHT and averager processes, p2pd: seen while they ran
+    # the averager's shared tensors: torch's shm manager removes them 2 s after the last worker is gone (a sweep
+    # that SIGKILLed it left ten files per run)
     deadline = time.monotonic() + 15
-    while (shm_left := shm_files_of_the_dead() - shm_before) and time.monotonic() < deadline:
+    while (shm_left := [f for pid in ours for f in glob.glob(f"/dev/shm/torch_{pid}_*")]) \
+            and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not shm_left
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import logging
 import os
@@ -25,19 +24,16 @@ import time
 
 import torch
 
+from gasloc.runtime.procs import set_pdeathsig
+
 CHUNK = 1 << 20
 NUM_TENSORS = 10
 NS = "gxbench"
 log = logging.getLogger("transport_worker")
 
 
-# loaded here, not in the forked DHT/averager child: a dlopen in a child forked from a multi-threaded process can block
-# on the loader lock another thread held at fork time
-_LIBC = ctypes.CDLL("libc.so.6")
-
-
 def die_with_parent() -> None:
-    _LIBC.prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG
+    set_pdeathsig(signal.SIGKILL)     # runtime/procs.py loads libc at import, not in the forked DHT/averager child
 
 
 def make_tensors(params: int, seed: int) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -143,24 +144,29 @@ def test_two_nated_peers_pair_with_each_other_and_with_public_peers(lab, harness
         status, first = verdict.split(" ", 1)
         assert r.returncode == 0 and f"reachability │ {status} │ {first}" in flat and fix in flat, r.stdout + r.stderr
 
-    # keeping up: each peer's round rate over the window, from its first round finished in (t0, t1] to its last.
-    # Not the counts: t1 is the moment the slower public peer finished its 30th round and t0 the moment the NATed
-    # peers started, so at equal speeds the counts lose a NATed peer ~1 round of 20 (half a round at each end;
-    # docs/nat.md). Before public peers called NATed ones through their forwarders, NATed peers waited 0.56 s per
-    # round against 0.17 s and finished 14-17 of 20.
-    def per_s(n: str) -> float:
-        ts = [r["time"] for r in rounds(h, n) if t0 < r["time"] <= t1]
+    # keeping up. NAT can cost a peer time only where it talks: waiting for a partner (a public peer calls a NATed
+    # one through a forwarder) and the transfer. Its inner steps are local work, and on 2 shared cores four
+    # identical peers' inner steps differ by 8-19% per run (CPU scheduling; CI, 2026-12-01: public peers 1.42 and
+    # 1.685 rounds/s), which compared raw round rates of one NATed peer with one public peer. So each peer's pace is
+    # taken as the swarm's mean inner-step time per round plus its own communication time per round (round_s -
+    # compute_s), over the window, and a NATed peer keeps at least 90% of the slower public peer's pace (the issue's
+    # 90%). Raw rates are printed beside it. Before public peers called NATed ones through their forwarders, NATed
+    # peers waited 0.56 s per round against 0.17 s and finished 14-17 of 20 rounds (docs/nat.md).
+    window = {n: [r for r in rounds(h, n) if t0 < r["time"] <= t1] for n in [*PUBLIC, *NATED]}
+    compute_s = statistics.mean(r["compute_s"] for rs in window.values() for r in rs)
+    pace = {n: 1 / (compute_s + statistics.mean(r["round_s"] - r["compute_s"] for r in rs)) for n, rs in window.items()}
+
+    def per_s(n: str) -> float:   # raw rate: rounds from the first to the last in the window, over that time
+        ts = [r["time"] for r in window[n]]
         return (len(ts) - 1) / (ts[-1] - ts[0])
-    rates = {n: per_s(n) for n in [*PUBLIC, *NATED]}
-    # the bar is the slower public peer's pace: two identical public peers of one run differed by up to 19% on
-    # 2 cores (CI, 2026-12-01: 1.42 and 1.685 rounds/s over 20 rounds; a NATed one failed 90% of their mean, 1.28)
-    public_rate = min(rates[n] for n in PUBLIC)
+    rates = {n: per_s(n) for n in window}
+    public_pace, public_rate = min(pace[n] for n in PUBLIC), min(rates[n] for n in PUBLIC)
     print("nat-summary", summary(h, [*PUBLIC, *NATED], names, t0, t1),    # docs/nat.md quotes these (pytest -s)
+          "pace-vs-public", {n: round(pace[n] / public_pace, 3) for n in NATED},
           "rate-vs-public", {n: round(rates[n] / public_rate, 3) for n in NATED})
-    # the issue's 90%: met against the public peers' mean in 3 runs in a row (2026-12-01, rates 0.94-1.06 of the public peers'); with counts and
-    # attachments made at the first listing, 85-100% in four runs and the test held 80%
     for n in NATED:
-        assert rates[n] >= 0.9 * public_rate, {k: round(v, 3) for k, v in rates.items()}
+        assert pace[n] >= 0.9 * public_pace, ({k: round(v, 3) for k, v in pace.items()},
+                                              {k: round(v, 3) for k, v in rates.items()})
 
 
 def summary(h: Harness, peers: list[str], names: dict[str, str], t0: float, t1: float) -> dict:

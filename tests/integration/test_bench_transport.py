@@ -21,7 +21,7 @@ pytestmark = pytest.mark.xdist_group("bench_transport")
 
 def workers_alive() -> list[int]:
     """PIDs of every transport worker process on the machine, whoever started it: intersect with a bench's own
-    processes (a CI machine ran another checkout's bench beside ours and its two workers failed our check)."""
+    processes (in CI two workers of another bench, running beside ours, once failed the loopback test)."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -73,7 +73,7 @@ def test_bench_quick_loopback_all_methods(tmp_path):
         assert x["link"] == "loopback" and x["params"] == 1_000_000 and x["seconds"] > 0 and x["mb_s_each_way"] > 0
     assert "vs averager" in stdout and "target >= 2.0x" in stdout
     # nothing of ours outlives the bench (it reaps its workers' whole trees, shm manager included); only our own:
-    # the machine may run other benches (CI once ran another checkout's beside this test)
+    # another bench may run on the machine (CI: two session-leader workers whose parent was alive after ours exited)
     left = [pid for pid, st in ours.items() if is_alive(pid, st.start_ticks)]
     assert not left, ({pid: describe(pid) for pid in left}, stderr[-2000:])
     assert len(ours) > 4, ours       # both workers, their DHT and averager processes, p2pd: seen while they ran

@@ -5,7 +5,8 @@ two peers (its CPU form: the file as it is) train for a fixed number of rounds, 
 
 Needs a Docker engine: it uses a running one, else starts dockerd itself when it can (root) and stops it at the end.
 Where there is none it skips with the reason on a developer's machine, and fails under CI (CI set, as .ci/run does).
-Everything it creates (a compose project of its own: containers, network, volumes) is removed, also on failure.
+Everything it creates (a compose project of its own: containers, network, volumes) is removed, also on failure;
+a project that a killed earlier run left (its pytest process gone) is removed before the swarm starts.
 
 Two tests: the build and the one-off containers (light: `make test` runs it beside the unit tests, where a cold build's
 downloads and layer writes overlap their CPU work), and the compose swarm, which runs alone and builds again first (a
@@ -120,16 +121,18 @@ class Project:
     """One compose project of this test's own (its name keeps it apart from anything else on the engine)."""
 
     def __init__(self, tmp_path: Path):
-        self.name = f"gasloc-test-{os.getpid()}"
+        self.name = f"{PROJECT_PREFIX}{os.getpid()}"
         # Test-only settings on top of the unchanged file: one thread per process and 5 inner steps a round
-        # instead of 20 (2 cores shared by three containers and other tests), a checkpoint every 5 rounds, and a
-        # free host port for the bootstrap instead of 31337.
-        peer_env = ("{environment: {OMP_NUM_THREADS: '1', GASLOC_INNER__INNER_STEPS: '5', "
+        # instead of 20 (2 cores shared by three containers and other tests), a checkpoint every 5 rounds, a
+        # free host port for the bootstrap instead of 31337, and no restart policy: the file's unless-stopped
+        # brought back a killed test run's containers, which then trained for hours beside later runs whenever an
+        # engine started (seen here: a project 11 hours old, up again with the engine .ci/run started).
+        peer_env = ("{restart: 'no', environment: {OMP_NUM_THREADS: '1', GASLOC_INNER__INNER_STEPS: '5', "
                     "GASLOC_CHECKPOINT__EVERY_ROUNDS: '5'}}")
         override = tmp_path / "compose.test.yml"
         override.write_text(
             "services:\n"
-            "  bootstrap: {environment: {OMP_NUM_THREADS: '1'}}\n"
+            "  bootstrap: {restart: 'no', environment: {OMP_NUM_THREADS: '1'}}\n"
             f"  peer1: {peer_env}\n"
             f"  peer2: {peer_env}\n")
         self.cmd = compose_client() + ["-p", self.name, "-f", str(ROOT / "docker-compose.yml"), "-f", str(override)]
@@ -144,15 +147,43 @@ class Project:
         return cid
 
     def leftovers(self) -> dict[str, list[str]]:
-        label = f"label=com.docker.compose.project={self.name}"
-        found = {kind: sh("docker", *cmd, "--filter", label, check=False).stdout.split()
-                 for kind, cmd in {"containers": ["ps", "-aq"], "volumes": ["volume", "ls", "-q"],
-                                   "networks": ["network", "ls", "-q"]}.items()}
-        return {k: v for k, v in found.items() if v}
+        return project_objects(self.name)
 
     def down(self) -> None:
         sh(*self.cmd, "down", "--volumes", "--remove-orphans", "--timeout", "10", timeout_s=180, check=False,
            env=self.env)
+
+
+PROJECT_PREFIX = "gasloc-test-"  # + the PID of the pytest process that made the project
+
+
+def project_objects(name: str) -> dict[str, list[str]]:
+    """The containers, volumes and networks of one compose project, by compose's project label."""
+    label = f"label=com.docker.compose.project={name}"
+    found = {kind: sh("docker", *cmd, "--filter", label, check=False).stdout.split()
+             for kind, cmd in {"containers": ["ps", "-aq"], "volumes": ["volume", "ls", "-q"],
+                               "networks": ["network", "ls", "-q"]}.items()}
+    return {k: v for k, v in found.items() if v}
+
+
+def remove_stale_projects() -> list[str]:
+    """Remove the compose projects of earlier test runs whose pytest process is gone: a run killed before its own
+    `down` (SIGKILL, a machine stopped) leaves its containers and volumes on the engine. A project of a live
+    process (another test run on this engine) is left alone."""
+    names = {name for ls in (["ps", "-a"], ["volume", "ls"], ["network", "ls"])
+             for name in sh("docker", *ls, "--filter", "label=com.docker.compose.project",
+                            "--format", '{{.Label "com.docker.compose.project"}}').stdout.split()}
+    stale = sorted(n for n in names if n.startswith(PROJECT_PREFIX) and n[len(PROJECT_PREFIX):].isdigit()
+                   and not Path(f"/proc/{n[len(PROJECT_PREFIX):]}").exists())
+    for name in stale:
+        objs = project_objects(name)
+        if objs.get("containers"):   # -v: the anonymous volumes of the image's VOLUME paths go with them
+            sh("docker", "rm", "-f", "-v", *objs["containers"])
+        if objs.get("networks"):
+            sh("docker", "network", "rm", *objs["networks"])
+        if objs.get("volumes"):
+            sh("docker", "volume", "rm", *objs["volumes"])
+    return stale
 
 
 def inspect(cid: str) -> dict:
@@ -216,6 +247,9 @@ def test_image_builds_and_runs_help_and_doctor(engine):
 @pytest.mark.timeout(900)  # cold, when it runs without the test above: the whole build first
 def test_compose_swarm_trains_stops_and_resumes(engine, tmp_path):
     build = build_image()
+    stale = remove_stale_projects()
+    if stale:
+        print(f"removed the compose projects of earlier, killed runs: {stale}")
     project = Project(tmp_path)
     try:
         project.compose("up", "-d", "--no-build")

@@ -1,7 +1,6 @@
 """bench/transport.py end to end on a tiny payload: it runs every method, checks what arrived, writes its JSON, and
 leaves no worker, namespace or socket file behind, also when it is interrupted."""
 import contextlib
-import glob
 import json
 import os
 import signal
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gasloc.runtime.procs import Stat, descendants, is_alive, process_table
+from gasloc.runtime.procs import Supervisor, descendants, is_alive, process_table
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "transport.py"
 # one xdist worker for all: two benches at once would each take both cores' worth of workers
@@ -47,43 +46,37 @@ def describe(pid: int) -> str:
 @pytest.mark.timeout(150)
 def test_bench_quick_loopback_all_methods(tmp_path):
     out = tmp_path / "rows.json"
-    proc = subprocess.Popen([sys.executable, str(BENCH), "--sizes", "1M", "--links", "loopback", "--reps", "1",
-                             "--warmup", "0", "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    ours: dict[int, Stat] = {}   # the bench's processes by PID and start time, seen while it runs
-    deadline = time.monotonic() + 140
+    # the Supervisor records the bench's tree by PID and start time while it runs (only our own processes count:
+    # CI once ran another bench beside this test, two session-leader workers whose parent outlived ours)
+    sup = Supervisor(watch_interval_s=0.2, subreaper=False)
     try:
-        while True:
-            table = process_table()
-            ours |= {pid: table[pid] for pid in descendants({proc.pid}, table) if pid not in ours}
-            try:
-                stdout, stderr = proc.communicate(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                assert time.monotonic() < deadline, "the bench took over 140 s"
+        bench = sup.start("bench", [sys.executable, str(BENCH), "--sizes", "1M", "--links", "loopback", "--reps", "1",
+                                    "--warmup", "0", "--json", str(out)], tmp_path / "bench.log")
+        try:
+            rc = bench.popen.wait(timeout=140)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the bench took over 140 s")
+        stdout, stderr = bench.stdout_path.read_text(), bench.log_path.read_text()
+        assert rc == 0, stdout[-2000:] + stderr[-2000:]
+        rows = json.loads(out.read_text())["rows"]
+        assert {(x["method"], x["wire_dtype"]) for x in rows} == {
+            (m, w) for m in ("gasloc", "tcp", "hivemind_raw_stream", "hivemind_averager")
+            for w in ("float32", "float16")}
+        for x in rows:
+            assert x["link"] == "loopback" and x["params"] == 1_000_000 and x["seconds"] > 0 \
+                and x["mb_s_each_way"] > 0
+        assert "vs averager" in stdout and "target >= 2.0x" in stdout
+        # nothing of ours outlives the bench (it reaps its workers' whole trees, shm manager included)
+        left = sup.leftovers("bench").processes
+        assert not left, ({p: describe(int(p.split()[0])) for p in left}, stderr[-2000:])
+        below = [pid for pid, _ in sup.tree("bench") if pid != bench.pid]
+        assert len(below) > 4, below   # both workers, their DHT and averager processes, p2pd: seen while they ran
+        # the averager's shared tensors: torch's shm manager removes them 2 s after the last worker is gone (a
+        # sweep that SIGKILLed it left ten files per run)
+        assert not sup.settle(15).shm
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.communicate(timeout=60)
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert {(x["method"], x["wire_dtype"]) for x in rows} == {
-        (m, w) for m in ("gasloc", "tcp", "hivemind_raw_stream", "hivemind_averager") for w in ("float32", "float16")}
-    for x in rows:
-        assert x["link"] == "loopback" and x["params"] == 1_000_000 and x["seconds"] > 0 and x["mb_s_each_way"] > 0
-    assert "vs averager" in stdout and "target >= 2.0x" in stdout
-    # nothing of ours outlives the bench (it reaps its workers' whole trees, shm manager included); only our own:
-    # another bench may run on the machine (CI: two session-leader workers whose parent was alive after ours exited)
-    left = [pid for pid, st in ours.items() if is_alive(pid, st.start_ticks)]
-    assert not left, ({pid: describe(pid) for pid in left}, stderr[-2000:])
-    assert len(ours) > 4, ours       # both workers, their DHT and averager processes, p2pd: seen while they ran
-    # the averager's shared tensors: torch's shm manager removes them 2 s after the last worker is gone (a sweep
-    # that SIGKILLed it left ten files per run)
-    deadline = time.monotonic() + 15
-    while (shm_left := [f for pid in ours for f in glob.glob(f"/dev/shm/torch_{pid}_*")]) \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not shm_left
+        sup.stop_all(grace_s=60)     # a bench still running (a failed assertion) and its tree
+        sup.cleanup()
 
 
 def test_bench_rejects_bad_options():

@@ -155,14 +155,13 @@ class Project:
 
 
 PROJECT_PREFIX = "gasloc-test-"  # + the PID of the pytest process that made the project
+_LIST = {"containers": ["ps", "-a"], "volumes": ["volume", "ls"], "networks": ["network", "ls"]}  # docker commands
 
 
 def project_objects(name: str) -> dict[str, list[str]]:
     """The containers, volumes and networks of one compose project, by compose's project label."""
     label = f"label=com.docker.compose.project={name}"
-    found = {kind: sh("docker", *cmd, "--filter", label, check=False).stdout.split()
-             for kind, cmd in {"containers": ["ps", "-aq"], "volumes": ["volume", "ls", "-q"],
-                               "networks": ["network", "ls", "-q"]}.items()}
+    found = {kind: sh("docker", *ls, "-q", "--filter", label, check=False).stdout.split() for kind, ls in _LIST.items()}
     return {k: v for k, v in found.items() if v}
 
 
@@ -170,7 +169,7 @@ def remove_stale_projects() -> list[str]:
     """Remove the compose projects of earlier test runs whose pytest process is gone: a run killed before its own
     `down` (SIGKILL, a machine stopped) leaves its containers and volumes on the engine. A project of a live
     process (another test run on this engine) is left alone."""
-    names = {name for ls in (["ps", "-a"], ["volume", "ls"], ["network", "ls"])
+    names = {name for ls in _LIST.values()
              for name in sh("docker", *ls, "--filter", "label=com.docker.compose.project",
                             "--format", '{{.Label "com.docker.compose.project"}}').stdout.split()}
     stale = sorted(n for n in names if n.startswith(PROJECT_PREFIX) and n[len(PROJECT_PREFIX):].isdigit()

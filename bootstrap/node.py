@@ -28,6 +28,20 @@ class BootstrapError(RuntimeError):
     """A failure the operator can fix; the message is one line that says how."""
 
 
+def start_hint(error: str, listen_maddrs: list[str]) -> str:
+    """What to check when p2pd did not start, from its own words: p2pd exits when none of the initial peers
+    answers, and that is not cured by looking at the listen addresses (the hint once said only that)."""
+    if "failed to connect to bootstrap peers" in error:
+        return ("none of --initial-peers answered: are those nodes running and reachable from here (gasloc doctor "
+                "--initial-peers ADDR tries one), and do they use the same --swarm-key (a private swarm ignores "
+                "nodes without it)?")
+    port = next((m.split("/tcp/")[1].split("/")[0] for m in listen_maddrs if "/tcp/" in m), None)
+    listen = "check --host-maddrs and that the port is free" + (f" (gasloc doctor --port {port})" if port else "")
+    if "listen" in error or "bind" in error or "address already in use" in error:
+        return listen
+    return listen + ", and that --initial-peers are running and reachable"
+
+
 def lock_identity(path: Path) -> int:
     """Create the key file if missing, then hold an exclusive lock on it for the life of this process.
 
@@ -172,8 +186,7 @@ def run(cfg: BootstrapConfig) -> int:
         if "already taken" in str(e):
             raise BootstrapError(f"identity {cfg.identity_path} is already used by a running node of this swarm; "
                                  f"give this node its own key with --identity-path") from None
-        raise BootstrapError(f"p2pd failed to start: {e}; check --host-maddrs and that the port is free "
-                             f"(gasloc doctor --port {cfg.port})") from None
+        raise BootstrapError(f"p2pd failed to start: {e}; {start_hint(str(e), cfg.listen_maddrs)}") from None
     relay = None
     try:
         peer_id = str(dht.peer_id)

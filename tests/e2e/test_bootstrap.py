@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import time
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 from e2e.harness import LOOPBACK
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.light]
+
+UNUSED_PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"   # a well-formed id no node here has
 
 
 def maddr_lines(path):
@@ -92,6 +95,21 @@ def test_identity_taken_in_the_swarm_is_refused(harness):
     log = harness.log("boot2")
     assert any(ln.startswith("Error:") and "already used by a running node" in ln for ln in log.splitlines()), log
     assert "Traceback" not in log
+
+
+def test_unreachable_initial_peer_is_named(harness):
+    """p2pd gives up when none of the initial peers answers: the error names --initial-peers, not the listen
+    address (it once told the operator to check --host-maddrs and the port)."""
+    with socket.socket() as s:     # a loopback port nobody listens on: the dial is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    harness.spawn("boot", "bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", harness.dir("id") / "b.key",
+                  "--initial-peers", f"/ip4/127.0.0.1/tcp/{port}/p2p/{UNUSED_PEER_ID}")
+    assert harness.wait_exit("boot", 60) == 1
+    log = harness.log("boot")
+    errors = [ln for ln in log.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1 and "none of --initial-peers answered" in errors[0], log
+    assert "--host-maddrs" not in errors[0] and "Traceback" not in log
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -1,4 +1,5 @@
-"""`gasloc bootstrap`'s hint when p2pd does not start, from p2pd's own messages (as p2pd 1.1.12 words them)."""
+"""`gasloc bootstrap`'s hint when p2pd does not start, from p2pd's own messages (as the p2pd bundled with
+hivemind 1.1.12 words them)."""
 from gasloc.bootstrap.node import start_hint
 
 

@@ -11,7 +11,10 @@ as it trusts the forwarder: only forwarders B attached to itself may hand it str
 a live member for the exchange to accept it. The probe (kind "probe") answers "can you open a TCP connection to
 these addresses of mine?", so a peer learns at start whether others can dial it (as Petals does).
 
-Every coroutine runs on the peer's event loop.
+Every coroutine runs on the peer's event loop. Timeouts are `asyncio.timeout` blocks, not `asyncio.wait_for`: these
+tasks are cancelled from outside (detach_all, drop_attached, stop), and Python 3.11's wait_for drops a cancel that
+arrives after the awaited call finished but before the task resumed; an attachment cancelled in that gap of its
+handshake went on holding its stream (tests/unit/test_forward_cancel.py).
 """
 from __future__ import annotations
 
@@ -122,7 +125,8 @@ class RoutedP2P:
                 info, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(fwd),
                                                                                   self.relay_name)
                 await _send(writer, RelayRequest(kind="forward", target=peer, handler=handler))
-                reply = await asyncio.wait_for(read_frame(reader, RelayReply), HANDSHAKE_TIMEOUT_S)
+                async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                    reply = await read_frame(reader, RelayReply)
             except (TimeoutError, WireError, *STREAM_ERRORS) as e:
                 last = ConnectionError(f"forwarder {fwd}: {type(e).__name__}: {e}")
                 continue
@@ -140,7 +144,8 @@ class RoutedP2P:
         try:
             if not self.accept_forwarded_from(forwarder):
                 raise WireError(Code.NOT_MEMBER, f"{forwarder} is not a forwarder we attached to")
-            hello = await asyncio.wait_for(read_frame(reader, ForwardedHello), HANDSHAKE_TIMEOUT_S)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                hello = await read_frame(reader, ForwardedHello)
             handler = self._local.get(hello.handler)
             if handler is None or hello.handler == self.relay_name:
                 raise WireError(Code.BAD_HEADER, f"no handler {hello.handler!r} here")
@@ -185,7 +190,8 @@ class RelayService:
             t.cancel()
         for name in (self.routed.relay_name, self.routed.forwarded_name):
             with contextlib.suppress(TimeoutError, KeyError, *STREAM_ERRORS):
-                await asyncio.wait_for(self.routed._p2p.remove_binary_stream_handler(name), 5.0)
+                async with asyncio.timeout(5.0):
+                    await self.routed._p2p.remove_binary_stream_handler(name)
 
     @property
     def via(self) -> list[str]:
@@ -198,7 +204,8 @@ class RelayService:
         self._tasks.add(task)
         try:
             try:
-                req = await asyncio.wait_for(read_frame(reader, RelayRequest), HANDSHAKE_TIMEOUT_S)
+                async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                    req = await read_frame(reader, RelayRequest)
             except WireError as e:
                 return await _send(writer, _reply(e.code, str(e)))
             if req.kind == "probe":
@@ -225,7 +232,8 @@ class RelayService:
         got = self.is_member(peer_id)
         if inspect.isawaitable(got):
             try:
-                got = await asyncio.wait_for(got, HANDSHAKE_TIMEOUT_S - 0.5)
+                async with asyncio.timeout(HANDSHAKE_TIMEOUT_S - 0.5):
+                    got = await got
             except TimeoutError:
                 return False
         return bool(got)
@@ -240,7 +248,8 @@ class RelayService:
             if ip.is_loopback or ip.is_unspecified or ip.is_multicast or not 0 < port < 65536:
                 return False
             try:
-                _, w = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
+                async with asyncio.timeout(2.0):
+                    _, w = await asyncio.open_connection(host, port)
             except (TimeoutError, OSError):
                 return False
             w.close()
@@ -271,8 +280,9 @@ class RelayService:
         self.circuits += 1
         out_writer = None
         try:
-            _, out_reader, out_writer = await asyncio.wait_for(self.routed._p2p.call_binary_stream_handler(
-                PeerID.from_base58(req.target), self.routed.forwarded_name), HANDSHAKE_TIMEOUT_S)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                _, out_reader, out_writer = await self.routed._p2p.call_binary_stream_handler(
+                    PeerID.from_base58(req.target), self.routed.forwarded_name)
             await _send(out_writer, ForwardedHello(origin=caller, handler=req.handler))
             await _send(writer, _reply(Code.OK))
             self.forwarded_circuits += 1
@@ -324,10 +334,12 @@ class RelayService:
         """One attachment: open the stream, then hold it until the forwarder closes it (or stop())."""
         writer = None
         try:
-            _, reader, writer = await asyncio.wait_for(self.routed._p2p.call_binary_stream_handler(
-                PeerID.from_base58(fwd), self.routed.relay_name), HANDSHAKE_TIMEOUT_S)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                _, reader, writer = await self.routed._p2p.call_binary_stream_handler(
+                    PeerID.from_base58(fwd), self.routed.relay_name)
             await _send(writer, RelayRequest(kind="attach"))
-            reply = await asyncio.wait_for(read_frame(reader, RelayReply), HANDSHAKE_TIMEOUT_S)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                reply = await read_frame(reader, RelayReply)
             if Code.parse(reply.code) != Code.OK:
                 code = Code.parse(reply.code)
                 log.info("attach forwarder=%s refused=%s %s", fwd, code.name, reply.message)

@@ -454,17 +454,20 @@ class Network:
 
     async def _announcer(self) -> None:
         every = self.cfg.swarm.announce_ttl_s / 3
+        # asyncio.timeout, not wait_for: withdraw() cancels this task, and 3.11's wait_for drops a cancel that lands
+        # just after the event was set (a state change as we stop): we would announce again after withdrawing
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._announce_wanted.wait(), every)
+                async with asyncio.timeout(every):
+                    await self._announce_wanted.wait()
             self._announce_wanted.clear()
             await self.membership.announce(self._record())
 
     async def _lister(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._list_wanted.wait(),
-                                       list_period_s(self.membership.level, self.cfg.swarm.announce_ttl_s))
+                async with asyncio.timeout(list_period_s(self.membership.level, self.cfg.swarm.announce_ttl_s)):
+                    await self._list_wanted.wait()
             self._list_wanted.clear()
             level = self.membership.level
             self._take(await self.membership.listing())

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gasloc.bootstrap.config import BootstrapConfig
 from gasloc.runtime.lifecycle import shutdown_step
+from gasloc.runtime.maddrs import port_of
 from gasloc.runtime.procs import StopSignals, emit_ready
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def start_hint(error: str, listen_maddrs: list[str]) -> str:
         return ("none of --initial-peers answered: are those nodes running and reachable from here (gasloc doctor "
                 "--initial-peers ADDR tries one), and do they use the same --swarm-key (a private swarm ignores "
                 "nodes without it)?")
-    port = next((m.split("/tcp/")[1].split("/")[0] for m in listen_maddrs if "/tcp/" in m), None)
+    port = next((p for proto, p in filter(None, map(port_of, listen_maddrs)) if proto == "tcp"), None)
     listen = "check --host-maddrs and that the port is free" + (f" (gasloc doctor --port {port})" if port else "")
     if "listen" in error or "bind" in error or "address already in use" in error:
         return listen

@@ -36,7 +36,7 @@ from gasloc.peer.swarm.gossip import Background
 from gasloc.peer.swarm.network import Network, PeerStatus
 from gasloc.peer.swarm.round_report import RoundExchange, relative_distance
 from gasloc.peer.train.data import build_data, evaluate
-from gasloc.peer.train.inner import make_inner_optimizer, run_inner_phase
+from gasloc.peer.train.inner import lr_at, make_inner_optimizer, run_inner_phase
 from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
 from gasloc.peer.train.outer import make_outer
 from gasloc.protocol.averaging import mix
@@ -88,6 +88,7 @@ class InnerPhase:
     steps: int
     loss: float
     compute_s: float
+    lr: float  # the inner lr of the phase's last step
 
 
 @dataclass
@@ -520,16 +521,18 @@ class Peer:
         momentum alone is no round)."""
         cfg = self.cfg
         self._at_boundary = False
+        # the lr decay follows the swarm's position (rounds, which a joiner takes over), the warm-up our own steps
+        position = self.round * cfg.inner.inner_steps
         steps, loss = run_inner_phase(self.model, self.opt, self.data.next_batch, self.inner_steps_total, cfg.inner,
                                       self.device, autocast_for(self.device), should_stop=self.stopping.is_set,
-                                      after_step=lambda: self._after_step(after_step))
+                                      after_step=lambda: self._after_step(after_step), start_position=position)
         if steps == 0:
             self._at_boundary = True
             return None
         self.inner_steps_total += steps
         compute_s = time.monotonic() - t_start
         self.throughput_tps = steps * cfg.data.batch_size * cfg.model.seq_len / max(compute_s, 1e-9)
-        return InnerPhase(steps, loss, compute_s)
+        return InnerPhase(steps, loss, compute_s, lr_at(self.inner_steps_total - 1, cfg.inner, position + steps - 1))
 
     def _eval_due(self) -> bool:
         return (self.round + 1) % self.cfg.run.eval_every_rounds == 0 or self.round == 0
@@ -554,8 +557,8 @@ class Peer:
             self._partners.append(ex.partner)
         self.sink.emit(
             "round", peer_id=self.peer_id, round=self.round, inner_steps=phase.steps,
-            total_inner_steps=self.inner_steps_total, loss=phase.loss, val_loss=val_loss, outcome=outcome,
-            partner=ex.partner, group_size=ex.group_size,
+            total_inner_steps=self.inner_steps_total, lr=phase.lr, loss=phase.loss, val_loss=val_loss,
+            outcome=outcome, partner=ex.partner, group_size=ex.group_size,
             bytes_sent=ex.bytes_sent, bytes_received=ex.bytes_received, exchange_s=ex.exchange_s,
             consensus=consensus, compute_s=phase.compute_s, wait_s=ex.wait_s, transfer_s=ex.transfer_s,
             outer_s=outer_s, round_s=round_s, tokens_per_s=self.throughput_tps,

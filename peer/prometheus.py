@@ -50,6 +50,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("counter", "gasloc_rounds", "outer rounds completed by this process", "round"),
     Metric("counter", "gasloc_inner_steps", "inner (AdamW) steps taken by this process", "round", "inner_steps"),
     Metric("gauge", "gasloc_train_loss", "mean training loss of the last inner phase", "round", "loss"),
+    Metric("gauge", "gasloc_inner_lr", "inner (AdamW) learning rate of the last inner step (warm-up and decay)",
+           "round", "lr"),
     Metric("gauge", "gasloc_val_loss", "last validation loss (every run.eval_every_rounds rounds)", "round",
            "val_loss"),
     Metric("counter", "gasloc_exchange_outcomes", "rounds by the outcome of their exchange (ok, solo, busy, "

@@ -5,9 +5,10 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gasloc.peer.train.model import LlamaLM
 
@@ -26,6 +27,24 @@ class InnerConfig(BaseModel):
     time_budget_s: float | None = Field(None, gt=0, description="if set, a round's local phase runs until this "
                                         "many seconds have passed (at least inner_steps steps): fast workers do "
                                         "more steps, nobody waits")
+    # the lr decay, as torchtitan's and nanoGPT's schedules: off unless the run's length is given
+    total_steps: int | None = Field(None, ge=1, description="the run's length in inner steps, for the lr decay (a "
+                                    "live peer counts the swarm's position, round x inner_steps, which a joiner "
+                                    "takes over with the round); unset: no decay, the lr stays at its peak after "
+                                    "warm-up")
+    decay_ratio: float = Field(1.0, gt=0, le=1, description="the lr decays over the last decay_ratio of "
+                               "total_steps: 1 from the end of warm-up on (a cosine schedule), 0.2 holds the peak "
+                               "and decays over the last 20% (warm-up, stable, decay)")
+    decay_type: Literal["cosine", "linear"] = Field("cosine", description="the decay's shape")
+    min_lr_factor: float = Field(0.1, ge=0, le=1, description="the lr at the end of the decay, as a share of lr; "
+                                 "it stays there past total_steps")
+
+    @model_validator(mode="after")
+    def _decay_after_warmup(self) -> InnerConfig:
+        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"inner.total_steps ({self.total_steps}) must be larger than inner.warmup_steps "
+                             f"({self.warmup_steps}): the decay starts after the warm-up")
+        return self
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
@@ -33,15 +52,35 @@ def make_inner_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.opti
                              weight_decay=cfg.weight_decay, foreach=True)
 
 
-def lr_at(step: int, cfg: InnerConfig) -> float:
-    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+def lr_at(step: int, cfg: InnerConfig, position: int | None = None) -> float:
+    """The inner lr of a worker's `step` (its own count of inner steps: the warm-up follows it, since a fresh
+    AdamW state needs one) at `position` in the run (what the decay follows; default `step`). A live peer's
+    position is the swarm's, round x inner_steps: a joiner starts its own count at 0 and warms up, but decays with
+    the peers whose round it took over."""
+    lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+    return lr * decay_factor(step if position is None else position, cfg)
+
+
+def decay_factor(position: int, cfg: InnerConfig) -> float:
+    """The share of the peak lr that the decay leaves at `position`: 1 until the decay starts (the end of the
+    warm-up, or total_steps x (1 - decay_ratio) when later), then down to min_lr_factor at total_steps, and there
+    after it."""
+    if cfg.total_steps is None:
+        return 1.0
+    start = max(cfg.warmup_steps, cfg.total_steps * (1 - cfg.decay_ratio))
+    if position <= start:
+        return 1.0
+    p = min(1.0, (position - start) / (cfg.total_steps - start))
+    shape = 0.5 * (1 + math.cos(math.pi * p)) if cfg.decay_type == "cosine" else 1 - p
+    return cfg.min_lr_factor + (1 - cfg.min_lr_factor) * shape
 
 
 def inner_step(model: LlamaLM, opt: torch.optim.Optimizer, batch: torch.Tensor, step: int, cfg: InnerConfig,
-               autocast: contextlib.AbstractContextManager | None = None) -> float:
-    """One AdamW step on one batch; returns the training loss. `step` is the worker's total inner-step count."""
+               autocast: contextlib.AbstractContextManager | None = None, position: int | None = None) -> float:
+    """One AdamW step on one batch; returns the training loss. `step` is the worker's total inner-step count,
+    `position` where the run is (lr_at)."""
     for g in opt.param_groups:
-        g["lr"] = lr_at(step, cfg)
+        g["lr"] = lr_at(step, cfg, position)
     with autocast or contextlib.nullcontext():
         loss = model.loss(batch)
     opt.zero_grad(set_to_none=True)
@@ -66,11 +105,13 @@ def run_inner_phase(model: LlamaLM, opt: torch.optim.Optimizer, next_batch: Call
                     start_step: int, cfg: InnerConfig, device: torch.device | str = "cpu",
                     autocast: contextlib.AbstractContextManager | None = None,
                     should_stop: Callable[[], bool] = lambda: False,
-                    after_step: Callable[[], None] = lambda: None) -> tuple[int, float]:
+                    after_step: Callable[[], None] = lambda: None,
+                    start_position: int | None = None) -> tuple[int, float]:
     """One round's local phase in real time (the live peer): H steps, or until the time budget is spent.
 
     Returns (steps done, mean training loss). `should_stop` lets a shutdown request end the phase early;
-    `after_step` runs between steps (overlap: adds a mix that has just arrived).
+    `after_step` runs between steps (overlap: adds a mix that has just arrived). `start_position`: where the run
+    is at the phase's first step, for the lr decay (lr_at; default start_step).
     """
     t0, losses = time.monotonic(), []
     while not should_stop():
@@ -78,6 +119,7 @@ def run_inner_phase(model: LlamaLM, opt: torch.optim.Optimizer, next_batch: Call
         if done >= cfg.inner_steps and (cfg.time_budget_s is None or time.monotonic() - t0 >= cfg.time_budget_s):
             break
         batch = next_batch().to(device, non_blocking=True)
-        losses.append(inner_step(model, opt, batch, start_step + done, cfg, autocast))
+        losses.append(inner_step(model, opt, batch, start_step + done, cfg, autocast,
+                                 None if start_position is None else start_position + done))
         after_step()
     return len(losses), (sum(losses) / len(losses) if losses else float("nan"))

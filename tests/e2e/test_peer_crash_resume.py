@@ -10,6 +10,7 @@ import pytest
 
 from e2e.harness import LOOPBACK
 from e2e.swarm_helpers import write_config
+from gasloc.peer.train.inner import InnerConfig, lr_at
 
 
 def records(h, event):
@@ -38,8 +39,11 @@ def test_sigkill_at_random_moments_always_resumes_from_a_valid_checkpoint(short_
     h = harness
     config = write_config(h, inner_steps=5)
     # every round evaluated: a resumed model's loss is then compared with the very model that was checkpointed
+    # and the inner lr decays over 60 steps (12 rounds), so a resume must take up the schedule where it was
     config.write_text(config.read_text().replace("eval_every_rounds = 2", "eval_every_rounds = 1")
+                      .replace("warmup_steps = 10", "warmup_steps = 10\ntotal_steps = 60\ndecay_type = \"linear\"")
                       + "[checkpoint]\nevery_rounds = 1\nkeep = 2\n")
+    inner = InnerConfig(lr=0.002, warmup_steps=10, total_steps=60, decay_type="linear", inner_steps=5)
     run_dir = h.dir("peer")
     # the peers' temporary files go here: a key file of the fresh identity lives only while p2pd starts, so even
     # seven kill -9s leave none (they used to pile up in /tmp, one per killed peer)
@@ -80,6 +84,10 @@ def test_sigkill_at_random_moments_always_resumes_from_a_valid_checkpoint(short_
         rounds = records(h, "round")
         last_round, val_at = rounds[-1]["round"], val_loss_by_round(rounds)
     assert val_at[last_round] < fresh_loss - 1.0, (val_at, fresh_loss)  # it learned across the crashes
+    # each round's lr: its last step's, warm-up by the steps taken, decay by the round, across every resume
+    for r in rounds:
+        assert r["lr"] == pytest.approx(lr_at(r["total_inner_steps"] - 1, inner, 5 * r["round"] - 1)), r
+    assert rounds[-1]["lr"] < 0.002 * 0.75  # well into the decay (round 7 and on: position 34 of 60 or later)
     assert not list(Path(env["TMPDIR"]).glob("gasloc-identity-*"))
 
     # corrupt the newest checkpoint: the next start skips it, says so, and resumes from the older one

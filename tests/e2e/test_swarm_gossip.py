@@ -20,11 +20,14 @@ from e2e.swarm_helpers import (
     val_losses,
     write_config,
 )
+from gasloc.peer.train.inner import InnerConfig, lr_at
 from gasloc.runtime.procs import read_stat
 
 EXCHANGE_TIMEOUT_S = 2.5  # [exchange] exchange_timeout_s in swarm_helpers.PEER_TOML
 DEADLINE_S = 1.2          # write_config's partner_deadline_s
 FRESH_LOSS = 5.0          # a fresh tiny model on bytes: ~5.2 nats (ln 256 = 5.55)
+DECAY = 'warmup_steps = 10\ntotal_steps = 100000\ndecay_type = "linear"'  # over PEER_TOML's warmup_steps line
+INNER = InnerConfig(lr=0.002, warmup_steps=10, inner_steps=30, total_steps=100_000, decay_type="linear")
 
 
 def _resyncs(h, name):
@@ -37,6 +40,8 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
     # rounds of ~3 s against a 1.2 s partner deadline: with 3 peers left, one is always the odd one out and may
     # wait the whole deadline; real rounds (hundreds of steps) make that share far smaller still
     cfg = write_config(h, inner_steps=30)
+    # a slow lr decay (1.6% over the test): the joiner's lr must follow the swarm's position, not its own steps
+    cfg.write_text(cfg.read_text().replace("warmup_steps = 10", DECAY))
     names = ["p0", "p1", "p2", "p3"]
     ids = start_peers(h, names, bootstrap, cfg)
 
@@ -104,6 +109,10 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
     assert st["round"] > 0, st  # it took over the donor's round count
     h.wait_until(all_have(h, ["p4"], ok_rounds=1, partners=1), 90, "the joiner's first ok exchange",
                  alive=("p4",))
+    first = rounds(h, "p4")[0]  # its lr: warmed up on its own 30 steps, decayed at the round it took over
+    assert first["total_inner_steps"] == 30 and first["round"] == st["round"] + 1, first
+    assert first["lr"] == pytest.approx(lr_at(29, INNER, 30 * first["round"] - 1), rel=1e-12), first
+    assert first["lr"] != pytest.approx(lr_at(29, INNER), rel=1e-6), first
 
     # 4. over the whole run every original peer learned (well below a fresh model, and still improving) and the
     #    swarm stayed together: partners' models differ by a bounded fraction of their norm

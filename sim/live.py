@@ -11,6 +11,12 @@ driver (the first is peer/swarm/gossip.py) and does on virtual time what the liv
     an exchange costs M / min(B_i, B_j) + l_i + l_j (the slower link's time), both apply when it ends; one that
     would pass exchange_timeout_s is cut there and counts as a timeout (backoff) for the caller.
 
+With a round budget (the runner's K x rounds) no worker starts a round once the swarm has started that many: a
+worker whose round ends then stops, as a peer with --max-rounds does, and leaves the others' sight. The run ends with
+exactly the budget's rounds and tokens, as a lock-step run of the same length; without the budget the workers still
+searching when the last round completed had spent their inner steps already (up to K - 1 rounds more: 1.7 % more
+tokens than DiLoCo in the paper suite's claim (b) of 2026-12-02).
+
 What each worker knows is what a live peer knows: `live` = its neighbours in the topology (random: everyone),
 `ready` = those announcing "exchanging" (searching, calling or exchanging: the listing shows the state, not whether
 the peer is free) with the link estimate they publish; `rates` = its own measured bytes/s of the last exchange with
@@ -38,16 +44,18 @@ from gasloc.sim.engine import Engine, Trainer
 from gasloc.sim.groups import start_listings
 
 LINK_DECAY = 0.95  # peer/daemon.py's decay of the own-link estimate per exchange
-COMPUTE, SEARCH, CALLING, EXCHANGE = "compute", "search", "calling", "exchange"
+COMPUTE, SEARCH, CALLING, EXCHANGE, STOPPED = "compute", "search", "calling", "exchange", "stopped"
 
 
 class LiveEngine(Engine):
     """Drives a Trainer with one PartnerPolicy per worker. Iterate `run()`: it yields the time of each event."""
 
     def __init__(self, links: Sequence[Link], edges: Sequence[Edge], *, rules: SearchRules, backoff: Backoff,
-                 avoid_recent: int, seed: int, discovery_s: float = 0.0, discovery_share: float = 1.0, **common):
+                 avoid_recent: int, seed: int, discovery_s: float = 0.0, discovery_share: float = 1.0,
+                 round_budget: int | None = None, **common):
         super().__init__(links, **common)
         self.rules = rules
+        self.round_budget, self.rounds_started = round_budget, 0
         # the listing at the start: until discovery_s each worker lists only some of the others (sim/groups.py)
         self.discovery_s, self.early = discovery_s, start_listings(self.k, discovery_share, seed)
         self.neighbours: list[list[int]] = [[] for _ in range(self.k)]
@@ -92,6 +100,10 @@ class LiveEngine(Engine):
 
     def _start_compute(self, trainer: Trainer, i: int, t: float) -> None:
         w = self.workers[i]
+        if self.round_budget is not None and self.rounds_started >= self.round_budget:
+            self.state[i] = STOPPED
+            return
+        self.rounds_started += 1
         self.state[i], w.planned_steps = COMPUTE, self.steps_for(i)
         trainer.plan(i, w.planned_steps)
         self.ready_at[i] = t + w.planned_steps * self.links[i].seconds_per_step
@@ -99,7 +111,7 @@ class LiveEngine(Engine):
 
     def _sight(self, i: int) -> Sight:
         names, state = self.names, self.state
-        nb = self.neighbours[i]
+        nb = [j for j in self.neighbours[i] if state[j] != STOPPED]
         if self.now < self.discovery_s:
             nb = [j for j in nb if j in self.early[i]]
         return Sight(live=[names[j] for j in nb],

@@ -48,21 +48,32 @@ PANELS = [("a-ring", "(a) H=1, ring"), ("a-random", "(a) H=1, random"), ("b", "(
 OVERLAP_PANELS = [("uniform", "uniform 1 Gbit links"), ("half-slow-10x", "half the links 10x slower")]
 
 
+def _panels(report: dict) -> list[tuple[str, str, str]]:
+    """(run-name prefix, title, verdict) per panel: the paper's claims, the overlap suite's profiles, the decay
+    suite's schedules, or for the other suites (the tuning sweeps) one panel with every run."""
+    verdict = {c["claim"]: "PASS" if c["passed"] else "FAIL" for c in report["claims"]}
+    if report["suite"].startswith("overlap"):
+        return [(p, t, f"loss {verdict.get('loss-' + p, '?')}, speed {verdict.get('speed-' + p, '?')}")
+                for p, t in OVERLAP_PANELS]
+    if report["suite"].startswith("decay"):
+        scheds = [c["claim"].removeprefix("b-") for c in report["claims"]]
+        return [(s, f"(b) lr schedule {s}", verdict[f"b-{s}"]) for s in scheds]
+    if any(n.startswith(p + "-") for n in report["runs"] for p, _ in PANELS):
+        return [(p, t, verdict.get(p, "")) for p, t in PANELS]
+    return [("", "every run", "")]
+
+
 def plot_suite(report: dict, path: str) -> None:
     plt = _pyplot()
-    overlap = report["suite"].startswith("overlap")
-    panels = OVERLAP_PANELS if overlap else PANELS
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained") if overlap else \
-        plt.subplots(2, 2, figsize=(12, 8.5), layout="constrained")
-    # a panel's verdict: its claim's, or for the overlap suite both of its claims (loss and speed)
-    verdict = {c["claim"]: "PASS" if c["passed"] else "FAIL" for c in report["claims"]}
-    for claim, _ in OVERLAP_PANELS if overlap else []:
-        verdict[claim] = f"loss {verdict.get('loss-' + claim, '?')}, speed {verdict.get('speed-' + claim, '?')}"
+    panels = _panels(report)
+    rows = 2 if len(panels) == 4 else 1
+    cols = len(panels) // rows
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.25 * rows), layout="constrained", squeeze=False)
     runs = report["runs"]
-    for ax, (claim, title) in zip(axes.flat, panels):
-        mine = {n: r for n, r in runs.items() if n.startswith(claim + "-")}
-        for name, r in mine.items():
-            _curve(ax, r, name.removeprefix(claim + "-"))
+    for ax, (claim, title, verdict) in zip(axes.flat, panels):
+        mine = {n: r for n, r in runs.items() if not claim or n.startswith(claim + "-")}
+        for name, r in mine.items():  # a second run of one method (another inner lr) dashed
+            _curve(ax, r, name.removeprefix(claim + "-") if claim else name, linestyle="--" if "-lr" in name else "-")
         if claim == "c" and "c-diloco" in mine:
             d = mine["c-diloco"]
             ax.axhline(d["final_val_loss"], color="tab:blue", linestyle=":", linewidth=1,
@@ -73,7 +84,7 @@ def plot_suite(report: dict, path: str) -> None:
         if losses:  # skip the initial loss so the differences at the end stay visible
             lo, hi = min(losses), sorted(losses)[int(0.9 * (len(losses) - 1))]
             ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
-        ax.set(title=f"{title}: {verdict.get(claim, '')}", xlabel="simulated wall-clock (min)",
+        ax.set(title=f"{title}: {verdict}" if verdict else title, xlabel="simulated wall-clock (min)",
                ylabel="val loss, mean over workers")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

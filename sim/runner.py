@@ -80,7 +80,7 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
         engine = LiveEngine(moving, edges, rules=rules,
                             backoff=Backoff(sc.min_backoff_s, sc.max_backoff_s, sc.busy_cooldown_s),
                             avoid_recent=sc.avoid_recent_partners, seed=cfg.seed, discovery_s=sc.discovery_s,
-                            discovery_share=sc.discovery_share, **common)
+                            discovery_share=sc.discovery_share, round_budget=k * cfg.rounds, **common)
     elif cfg.schedule in ("lockstep", "live"):
         engine = LockstepEngine(moving, cfg.topology, overlap=cfg.outer.overlap, **common)
     else:

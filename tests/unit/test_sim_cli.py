@@ -152,9 +152,11 @@ def test_compare_scale_smoke_suite_reports_consensus_and_paired_share(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_compare_tune_h1_smoke_suite_runs_gossip_beside_each_setting(tmp_path):
-    out = tmp_path / "t.json"
-    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "tune-h1-smoke", "--json", str(out)])
+    out, png = tmp_path / "t.json", tmp_path / "t.png"  # a sweep: one panel with every run
+    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "tune-h1-smoke", "--json", str(out), "--plot",
+                                   str(png)])
     assert res.exit_code == 0, res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(out.read_text())
     assert list(report["runs"]) == ["ring-gossip", "ring-g0.1-e0.9", "random-gossip", "random-g0.1-e0.9"]
     outer = report["runs"]["ring-g0.1-e0.9"]["config"]["outer"]
@@ -194,3 +196,57 @@ def test_tune_h20_mix_suite_changes_one_thing_per_gasloc_run():
     assert (b.form, b.gamma, b.eta) == ("B", 0.7, 0.7)
     assert (k.gamma, k.eta, k.mix_momentum) == (0.9, 0.5, 0.5)
     assert cfgs["lr1e-3"].outer == cfgs["default"].outer and cfgs["default"].topology == "random"
+
+
+def test_every_suite_is_a_choice_of_compare():
+    from gasloc.sim.cli import SUITE_NAMES
+    from gasloc.sim.scale import SCALE_SUITES
+    from gasloc.sim.suite import SUITES
+    assert sorted(SUITE_NAMES) == sorted({**SUITES, **SCALE_SUITES})
+
+
+def test_decay_h20_suite_gives_both_methods_each_schedule():
+    from gasloc.sim.suite import SUITES, _config
+    suite = SUITES["decay-h20"]
+    cfgs = {s.name: _config(suite, s) for s in suite.runs}
+    for name, c in cfgs.items():
+        assert (c.inner.inner_steps, c.rounds, c.schedule, c.workers) == (20, 30, "live", 8), name
+        assert c.inner.lr == (1e-3 if name.endswith("lr0.001") else 2e-3), name
+    assert cfgs["constant-gasloc"].inner.total_steps is None and cfgs["constant-diloco"].inner.total_steps is None
+    for sched, ratio, kind in (("wsd", 0.2, "linear"), ("cosine", 1.0, "cosine")):
+        for run in (f"{sched}-diloco", f"{sched}-gasloc", f"{sched}-diloco-lr0.001"):
+            i = cfgs[run].inner
+            assert (i.total_steps, i.decay_ratio, i.decay_type, i.min_lr_factor) == (600, ratio, kind, 0.1), run
+    assert cfgs["cosine-gasloc"].outer.algorithm == "gasloc" and cfgs["cosine-gasloc"].topology == "random"
+    assert [c.name for c in suite.claims] == ["b-constant", "b-wsd", "b-cosine"]
+
+
+@pytest.mark.timeout(180)
+def test_compare_decay_smoke_suite_checks_claim_b_per_schedule(tmp_path):
+    out, png = tmp_path / "d.json", tmp_path / "d.png"
+    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "decay-h20-smoke", "--json", str(out), "--plot",
+                                   str(png)])
+    assert res.exit_code == 0, res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads(out.read_text())
+    assert list(report["runs"]) == ["constant-diloco", "constant-gasloc", "cosine-diloco", "cosine-gasloc"]
+    assert [c["claim"] for c in report["claims"]] == ["b-constant", "b-cosine"]
+    # the decay reached the runs: the same start, a lower lr at the end, so different final losses
+    const, cos = report["runs"]["constant-diloco"], report["runs"]["cosine-diloco"]
+    assert cos["config"]["inner"]["total_steps"] == 6
+    assert cos["evals"][0]["val_loss_mean"] == const["evals"][0]["val_loss_mean"]
+    assert cos["final_val_loss"] != const["final_val_loss"]
+
+
+def test_claim_b_fails_and_says_so_when_the_token_counts_differ():
+    """The live schedule ends with some workers' rounds in flight: GASLoC may have spent more tokens than DiLoCo.
+    More than 1% more fails the claim whatever the losses, and the numbers say why."""
+    from gasloc.sim.suite import claim_within
+    check = claim_within(0.02, "g", "d")
+    run = lambda loss, tokens: {"final_val_loss": loss, "tokens": tokens}  # noqa: E731
+    ok, text = check({"g": run(1.01, 1_000_000), "d": run(1.0, 1_000_000)})
+    assert ok and "+1.00%" in text and "differ" not in text
+    ok, text = check({"g": run(1.01, 1_017_000), "d": run(1.0, 1_000_000)})
+    assert not ok and "token counts differ by more than 1%" in text
+    ok, text = check({"g": run(1.03, 1_000_000), "d": run(1.0, 1_000_000)})
+    assert not ok and "+3.00% (limit +2%)" in text

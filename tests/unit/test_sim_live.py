@@ -55,11 +55,13 @@ class FakeTrainer:
 DEFAULT_RULES = SearchRules()
 
 
-def engine(links, *, steps=10, rules=DEFAULT_RULES, seed=0, topology="random", avoid_recent=1, nbytes=None):
+def engine(links, *, steps=10, rules=DEFAULT_RULES, seed=0, topology="random", avoid_recent=1, nbytes=None,
+           round_budget=None):
     ref: list = []
     e = LiveEngine(links, graph_edges(topology, len(links)), rules=rules,
                    backoff=Backoff(min_backoff_s=2.0, max_backoff_s=60.0, busy_cooldown_s=0.5),
-                   avoid_recent=avoid_recent, seed=seed, barrier=False, communicates=True, steps_for=lambda i: steps,
+                   avoid_recent=avoid_recent, seed=seed, round_budget=round_budget, barrier=False, communicates=True,
+                   steps_for=lambda i: steps,
                    wire_bytes=lambda numel: float(numel if nbytes is None else nbytes), rng=random.Random(seed))
     ref.append(e)
     return e, FakeTrainer(len(links), ref)
@@ -208,3 +210,22 @@ def test_a_live_run_learns_and_reports_its_search():
     assert s["paired_rounds"] > 0
     assert r["evals"][-1]["val_loss_mean"] < r["evals"][0]["val_loss_mean"]
     assert run(c)["evals"] == r["evals"]  # reproducible
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("budget", [None, 24])
+def test_a_round_budget_ends_the_run_with_exactly_its_rounds(budget):
+    """Without a budget, the workers still searching when the K x rounds-th round completes have spent their inner
+    steps: more tokens than a lock-step run of the same length. With it nobody starts a round past the budget, the
+    workers that stop leave the others' sight, and the last in flight still end theirs (solo if nobody is left)."""
+    e, tr = engine([Link(0.1, 30e6, 0.0)] * 5, steps=10, seed=3, round_budget=budget)  # the odd one is searching
+    for _ in e.run(tr, 1e6):
+        if e.total_rounds >= 24:
+            break
+    steps = sum(w.steps for w in e.workers)
+    if budget is None:
+        assert steps == 25 * 10  # the odd worker's round in hand
+    else:
+        assert steps == 24 * 10 and e.rounds_started == 24
+        assert sorted(e.state) == ["stopped"] * 5
+        assert len(tr.applied) == 24 and not tr.pending

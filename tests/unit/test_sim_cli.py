@@ -6,6 +6,8 @@ from click.testing import CliRunner
 
 from gasloc.cli.main import cli
 
+PNG = b"\x89PNG\r\n\x1a\n"  # the first bytes of every PNG
+
 TOY = ["--workers", "2", "--rounds", "2", "--inner-steps", "2", "--seq-len", "32", "--batch-size", "2",
        "--val-batches", "1", "--eval-every", "1"]
 
@@ -64,8 +66,20 @@ def test_run_writes_json_and_plot(tmp_path):
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     assert r["config"]["topology"] == "ring" and len(r["evals"]) == 3
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.read_bytes()[:8] == PNG
     assert "final_val_loss=" in res.output
+
+
+
+def compare(tmp_path, suite: str, *, plot: bool = True) -> tuple[str, dict]:
+    """`gasloc sim compare --suite SUITE --json --plot`: its output and report; the PNG checked to be one."""
+    out, png = tmp_path / f"{suite}.json", tmp_path / f"{suite}.png"
+    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", suite, "--json", str(out),
+                                   *(["--plot", str(png)] if plot else [])])
+    assert res.exit_code == 0, res.output
+    if plot:
+        assert png.read_bytes()[:8] == PNG
+    return res.output, json.loads(out.read_text())
 
 
 @pytest.mark.timeout(120)
@@ -89,16 +103,12 @@ def test_compare_smoke_suite(tmp_path):
     assert table.count("| **PASS** |") + table.count("| **FAIL** |") == 4
     for name in report["runs"]:
         assert f"| {name} |" in table
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.read_bytes()[:8] == PNG
 
 
 @pytest.mark.timeout(120)
 def test_compare_overlap_smoke_suite(tmp_path):
-    out, png = tmp_path / "o.json", tmp_path / "o.png"
-    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "overlap-smoke", "--json", str(out), "--plot",
-                                   str(png)])
-    assert res.exit_code == 0, res.output
-    report = json.loads(out.read_text())
+    output, report = compare(tmp_path, "overlap-smoke")
     runs = report["runs"]
     assert list(runs) == ["uniform-plain", "uniform-overlap", "half-slow-10x-plain", "half-slow-10x-overlap"]
     assert [runs[n]["config"]["outer"]["overlap"] for n in runs] == [False, True, False, True]
@@ -109,16 +119,12 @@ def test_compare_overlap_smoke_suite(tmp_path):
         assert over["final_sim_time_s"] < plain["final_sim_time_s"]
     assert [c["claim"] for c in report["claims"]] == ["loss-uniform", "speed-uniform", "loss-half-slow-10x",
                                                       "speed-half-slow-10x"]
-    assert "gasloc (C), overlap" in res.output
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "gasloc (C), overlap" in output
 
 
 @pytest.mark.timeout(180)
 def test_compare_hetero_smoke_suite_puts_the_bench_ratios_beside_the_simulators(tmp_path):
-    out = tmp_path / "h.json"
-    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "hetero-smoke", "--json", str(out)])
-    assert res.exit_code == 0, res.output
-    report = json.loads(out.read_text())
+    _, report = compare(tmp_path, "hetero-smoke", plot=False)
     runs = report["runs"]
     assert list(runs) == ["gasloc-bw-s0", "gasloc-s0", "diloco-s0"]
     bw = runs["gasloc-bw-s0"]
@@ -135,11 +141,7 @@ def test_compare_hetero_smoke_suite_puts_the_bench_ratios_beside_the_simulators(
 
 @pytest.mark.timeout(180)
 def test_compare_scale_smoke_suite_reports_consensus_and_paired_share(tmp_path):
-    out, png = tmp_path / "k.json", tmp_path / "k.png"
-    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "scale-smoke", "--json", str(out), "--plot",
-                                   str(png)])
-    assert res.exit_code == 0, res.output
-    report = json.loads(out.read_text())
+    _, report = compare(tmp_path, "scale-smoke")
     assert [c["claim"] for c in report["claims"]] == ["k4-uniform", "k4-log-uniform-3-300", "k8-uniform",
                                                       "k8-log-uniform-3-300"]
     bw = [x["bandwidth_mbps"] for x in report["runs"]["k8-log-uniform-3-300-gasloc"]["links"]]
@@ -147,21 +149,15 @@ def test_compare_scale_smoke_suite_reports_consensus_and_paired_share(tmp_path):
     for c in report["claims"]:
         assert "consensus" in c["numbers"] and "% of rounds paired" in c["numbers"]
     assert report["runs"]["k8-uniform-gasloc"]["config"]["model"]["preset"] == "micro"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.timeout(180)
 def test_compare_tune_h1_smoke_suite_runs_gossip_beside_each_setting(tmp_path):
-    out, png = tmp_path / "t.json", tmp_path / "t.png"  # a sweep: one panel with every run
-    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "tune-h1-smoke", "--json", str(out), "--plot",
-                                   str(png)])
-    assert res.exit_code == 0, res.output
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    report = json.loads(out.read_text())
+    output, report = compare(tmp_path, "tune-h1-smoke")  # a sweep: its plot has one panel with every run
     assert list(report["runs"]) == ["ring-gossip", "ring-g0.1-e0.9", "random-gossip", "random-g0.1-e0.9"]
     outer = report["runs"]["ring-g0.1-e0.9"]["config"]["outer"]
     assert (outer["momentum"], outer["outer_lr"]) == (0.1, 0.9)  # set explicitly by the suite
-    assert report["claims"] == [] and "ring-gossip" in res.output
+    assert report["claims"] == [] and "ring-gossip" in output
     assert report["timing"]["runs"]["ring-gossip"]["peak_rss_mb"] > 0
 
 
@@ -223,12 +219,7 @@ def test_decay_h20_suite_gives_both_methods_each_schedule():
 
 @pytest.mark.timeout(180)
 def test_compare_decay_smoke_suite_checks_claim_b_per_schedule(tmp_path):
-    out, png = tmp_path / "d.json", tmp_path / "d.png"
-    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "decay-h20-smoke", "--json", str(out), "--plot",
-                                   str(png)])
-    assert res.exit_code == 0, res.output
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    report = json.loads(out.read_text())
+    _, report = compare(tmp_path, "decay-h20-smoke")
     assert list(report["runs"]) == ["constant-diloco", "constant-gasloc", "cosine-diloco", "cosine-gasloc"]
     assert [c["claim"] for c in report["claims"]] == ["b-constant", "b-cosine"]
     # the decay reached the runs: the same start, a lower lr at the end, so different final losses

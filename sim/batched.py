@@ -54,6 +54,7 @@ class BatchedTrainer(SimTrainer):
         self.outers = [make_outer(cfg.outer, p) for p in self.params]
         self.val = self.data[0].val_batches()
         self.steps = [0] * k
+        self.rounds = [0] * k
         self.sent = [None] * k
         self.mixed = [None] * k
         self.weight = cfg.outer.mix_weight
@@ -112,7 +113,7 @@ class BatchedTrainer(SimTrainer):
         m = self.exp_avg if everyone else [s[idx] for s in self.exp_avg]
         v = self.exp_avg_sq if everyone else [s[idx] for s in self.exp_avg_sq]
         step_fn = vmap(grad_and_value(self._loss))
-        for _ in range(steps):
+        for n in range(steps):
             batch = torch.stack([self.data[i].next_batch() for i in ws])
             parts = []
             with torch.enable_grad():
@@ -128,18 +129,22 @@ class BatchedTrainer(SimTrainer):
                 norm = torch.stack([g.pow(2).flatten(1).sum(1) for g in grads]).sum(0).sqrt()
                 scale = (c.grad_clip / (norm + 1e-6)).clamp(max=1.0)
                 grads = [g * _per_worker(scale, g) for g in grads]
-            self._adamw(ws, p, m, v, grads)
+            self._adamw(ws, p, m, v, grads, n)
             for i in ws:
                 self.steps[i] += 1
+        for i in ws:
+            self.rounds[i] += 1
         if not everyone:
             for dst, src in ((self.stack, p), (self.exp_avg, m), (self.exp_avg_sq, v)):
                 for d, s in zip(dst, src):
                     d[idx] = s
 
-    def _adamw(self, ws: list[int], p, m, v, grads) -> None:
-        """torch.optim.AdamW's update (foreach, no amsgrad), with each worker's own lr and step count."""
+    def _adamw(self, ws: list[int], p, m, v, grads, n: int) -> None:
+        """torch.optim.AdamW's update (foreach, no amsgrad), with each worker's own lr and step count; `n`: the
+        step's index in the phase (the lr decay's position, as SimTrainer.inner)."""
         c = self.cfg.inner
-        lr = torch.tensor([lr_at(self.steps[i], c) for i in ws], dtype=torch.float64)
+        lr = torch.tensor([lr_at(self.steps[i], c, self.rounds[i] * c.inner_steps + n) for i in ws],
+                          dtype=torch.float64)
         t = torch.tensor([self.steps[i] + 1 for i in ws], dtype=torch.float64)  # the optimizer's step, from 1
         bc1, bc2_sqrt = 1 - c.beta1 ** t, (1 - c.beta2 ** t).sqrt()
         decay, step_size = (1 - lr * c.weight_decay).float(), (lr / bc1).float()

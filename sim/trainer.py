@@ -50,6 +50,7 @@ class SimTrainer:
         self.data = data
         self.val = data[0].val_batches()
         self.steps = [0] * k
+        self.rounds = [0] * k  # inner phases run: the lr decay's position is rounds x inner_steps, as a live peer's
         self.sent: list[list[torch.Tensor] | None] = [None] * k
         self.mixed: list[list[torch.Tensor] | None] = [None] * k
         self.weight = cfg.outer.mix_weight
@@ -67,9 +68,12 @@ class SimTrainer:
         pass  # each worker's steps run when its phase ends (inner)
 
     def inner(self, i: int, steps: int) -> None:
-        for _ in range(steps):
-            inner_step(self.models[i], self.opts[i], self.data[i].next_batch(), self.steps[i], self.cfg.inner)
+        start = self.rounds[i] * self.cfg.inner.inner_steps
+        for n in range(steps):
+            inner_step(self.models[i], self.opts[i], self.data[i].next_batch(), self.steps[i], self.cfg.inner,
+                       position=start + n)
             self.steps[i] += 1
+        self.rounds[i] += 1
 
     def arrive(self, i: int) -> None:
         if self.late[i] is not None:  # overlap: the previous round's mix, added where it arrived

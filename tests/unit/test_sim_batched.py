@@ -46,13 +46,30 @@ def test_batched_lockstep_diloco_runs_every_worker_in_one_batch():
 
 
 @pytest.mark.timeout(120)
-def test_batched_with_per_worker_step_counts_and_warmup():
-    # time-budgeted rounds: slow workers do fewer steps, so a batch groups workers by step count
+@pytest.mark.parametrize("decay", [{}, {"inner.total_steps": 10, "inner.decay_type": "linear"}])
+def test_batched_with_per_worker_step_counts_and_warmup(decay):
+    # time-budgeted rounds: slow workers do fewer steps, so a batch groups workers by step count; with a decay, both
+    # trainers decay on the live peer's position (rounds x inner_steps), not on the workers' unequal step counts
     _, b = same_run({"outer.algorithm": "gasloc", "clock.profile": "half-slow-compute-2x",
-                     "inner.time_budget_s": 1.8, "inner.inner_steps": 2})
+                     "inner.time_budget_s": 1.8, "inner.inner_steps": 2, **decay})
     # a budget of 1.8 s: 6 steps of 0.3 s per round on the fast half, 3 of 0.6 s on the slow one
     fast, slow = b["inner_steps_per_worker"][:3], b["inner_steps_per_worker"][3:]
     assert all(n % 6 == 0 for n in fast) and min(fast) > max(slow)
+
+
+def test_the_simulators_decay_follows_rounds_x_inner_steps_as_the_live_peer():
+    """A time-budgeted worker takes more steps a round than inner_steps: its warm-up follows its steps, its decay
+    the position a live peer has (peer/daemon.py): rounds x inner_steps plus the steps of this round."""
+    from gasloc.peer.train.inner import lr_at
+    from gasloc.sim.trainer import SimTrainer
+    c = cfg(workers=2, **{"inner.inner_steps": 2, "inner.warmup_steps": 4, "inner.total_steps": 10,
+                          "inner.decay_type": "linear"})
+    t = SimTrainer(c)
+    t.inner(0, 6)   # round 1: steps 0-5 at positions 0-5
+    assert t.opts[0].param_groups[0]["lr"] == pytest.approx(lr_at(5, c.inner, 5))
+    t.inner(0, 6)   # round 2: steps 6-11 at positions 2-7
+    assert t.opts[0].param_groups[0]["lr"] == pytest.approx(lr_at(11, c.inner, 7))
+    assert lr_at(11, c.inner, 7) == pytest.approx(3e-3 * 0.55) and lr_at(11, c.inner) == pytest.approx(3e-4)
 
 
 @pytest.mark.parametrize("over", [{"outer.overlap": True, "schedule": "lockstep"}, {"schedule": "async"}])

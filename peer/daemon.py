@@ -36,7 +36,7 @@ from gasloc.peer.swarm.gossip import Background
 from gasloc.peer.swarm.network import Network, PeerStatus
 from gasloc.peer.swarm.round_report import RoundExchange, relative_distance
 from gasloc.peer.train.data import build_data, evaluate
-from gasloc.peer.train.inner import lr_at, make_inner_optimizer, run_inner_phase
+from gasloc.peer.train.inner import make_inner_optimizer, run_inner_phase
 from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
 from gasloc.peer.train.outer import make_outer
 from gasloc.protocol.averaging import mix
@@ -532,7 +532,7 @@ class Peer:
         self.inner_steps_total += steps
         compute_s = time.monotonic() - t_start
         self.throughput_tps = steps * cfg.data.batch_size * cfg.model.seq_len / max(compute_s, 1e-9)
-        return InnerPhase(steps, loss, compute_s, lr_at(self.inner_steps_total - 1, cfg.inner, position + steps - 1))
+        return InnerPhase(steps, loss, compute_s, self.opt.param_groups[0]["lr"])  # what the last step used
 
     def _eval_due(self) -> bool:
         return (self.round + 1) % self.cfg.run.eval_every_rounds == 0 or self.round == 0

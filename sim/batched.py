@@ -141,10 +141,9 @@ class BatchedTrainer(SimTrainer):
 
     def _adamw(self, ws: list[int], p, m, v, grads, n: int) -> None:
         """torch.optim.AdamW's update (foreach, no amsgrad), with each worker's own lr and step count; `n`: the
-        step's index in the phase (the lr decay's position, as SimTrainer.inner)."""
+        step's index in the phase (the lr decay's position, SimTrainer.position)."""
         c = self.cfg.inner
-        lr = torch.tensor([lr_at(self.steps[i], c, self.rounds[i] * c.inner_steps + n) for i in ws],
-                          dtype=torch.float64)
+        lr = torch.tensor([lr_at(self.steps[i], c, self.position(i, n)) for i in ws], dtype=torch.float64)
         t = torch.tensor([self.steps[i] + 1 for i in ws], dtype=torch.float64)  # the optimizer's step, from 1
         bc1, bc2_sqrt = 1 - c.beta1 ** t, (1 - c.beta2 ** t).sqrt()
         decay, step_size = (1 - lr * c.weight_decay).float(), (lr / bc1).float()

@@ -54,18 +54,18 @@ def _same_tokens(*runs: Result) -> bool:
 
 
 def _tokens(*runs: Result) -> str:
+    """The runs' token counts for a claim's numbers, with a warning where they are not equal (_same_tokens)."""
     toks = sorted({r["tokens"] for r in runs})
-    return f"{toks[0]:,} tokens" if len(toks) == 1 else f"{' / '.join(f'{t:,}' for t in toks)} tokens"
+    text = f"{toks[0]:,} tokens" if len(toks) == 1 else f"{' / '.join(f'{t:,}' for t in toks)} tokens"
+    return text + ("" if _same_tokens(*runs) else " (token counts differ by more than 1%!)")
 
 
 def claim_below(topology: str) -> Callable[[Results], tuple[bool, str]]:
     def check(res: Results) -> tuple[bool, str]:
         g, gos, nol = (res[f"a-{topology}-{a}"] for a in ("gasloc", "gossip", "noloco"))
-        equal = _same_tokens(g, gos, nol)
-        ok = equal and _final(g) < _final(gos) and _final(g) < _final(nol)
+        ok = _same_tokens(g, gos, nol) and _final(g) < _final(gos) and _final(g) < _final(nol)
         return ok, (f"GASLoC {_final(g):.4f} vs gossip-AdamW {_final(gos):.4f} ({_final(g) - _final(gos):+.4f}) and "
-                    f"NoLoCo {_final(nol):.4f} ({_final(g) - _final(nol):+.4f}) at {_tokens(g, gos, nol)}"
-                    + ("" if equal else " (token counts differ by more than 1%!)"))
+                    f"NoLoCo {_final(nol):.4f} ({_final(g) - _final(nol):+.4f}) at {_tokens(g, gos, nol)}")
     return check
 
 
@@ -73,10 +73,8 @@ def claim_within(tol: float, gasloc: str = "b-gasloc", diloco: str = "b-diloco")
     def check(res: Results) -> tuple[bool, str]:
         g, d = res[gasloc], res[diloco]
         rel = _final(g) / _final(d) - 1
-        equal = _same_tokens(g, d)
-        return equal and rel <= tol, (f"GASLoC {_final(g):.4f} vs DiLoCo {_final(d):.4f}: {100 * rel:+.2f}% (limit "
-                                      f"+{100 * tol:.0f}%) at {_tokens(g, d)}"
-                                      + ("" if equal else " (token counts differ by more than 1%!)"))
+        return _same_tokens(g, d) and rel <= tol, (f"GASLoC {_final(g):.4f} vs DiLoCo {_final(d):.4f}: "
+                                                   f"{100 * rel:+.2f}% (limit +{100 * tol:.0f}%) at {_tokens(g, d)}")
     return check
 
 

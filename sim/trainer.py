@@ -67,11 +67,15 @@ class SimTrainer:
     def plan(self, i: int, steps: int) -> None:
         pass  # each worker's steps run when its phase ends (inner)
 
+    def position(self, i: int, n: int) -> int:
+        """Where worker i's n-th step of its current inner phase is in the run, for the lr decay: rounds x
+        inner_steps + n, as a live peer counts it (peer/daemon.py)."""
+        return self.rounds[i] * self.cfg.inner.inner_steps + n
+
     def inner(self, i: int, steps: int) -> None:
-        start = self.rounds[i] * self.cfg.inner.inner_steps
         for n in range(steps):
             inner_step(self.models[i], self.opts[i], self.data[i].next_batch(), self.steps[i], self.cfg.inner,
-                       position=start + n)
+                       position=self.position(i, n))
             self.steps[i] += 1
         self.rounds[i] += 1
 

@@ -164,6 +164,26 @@ def test_slower_link_rule_explores_unmeasured_peers_first_until_it_can_tell_clas
     assert not s2.exploring and not p.declines("new", 0.0, 30e6, 10.6)
 
 
+def test_an_unmeasured_peer_in_its_busy_cooldown_is_still_explored():
+    """A BUSY from the unmeasured peer ("engaged") puts it in a 0.5-s cooldown; the search must go on declining the
+    measured slow peer meanwhile. When the cooldown dropped it from the exploring set, the search called the slow
+    peer in that half second (or accepted its call), and a fast peer paired with the slow one instead of the other
+    fast one."""
+    p = policy(SLOW)
+    s = p.begin(0.0)
+    see = dict(rates={"slow": 3e6, "fast": 0.0}, own_link=3e6)
+    assert s.next(sight({"slow", "fast"}, {"slow", "fast"}, **see), 1.0) == Call("fast")
+    s.called("fast", "busy", 1.1)                       # engaged with someone else: a short cooldown
+    assert s.next(sight({"slow", "fast"}, {"slow", "fast"}, **see), 1.2) == Wait(0.25)  # neither is called
+    assert s.exploring == {"fast"}
+    assert p.declines("slow", 3e6, 3e6, 1.3)
+    assert s.next(sight({"slow", "fast"}, {"slow", "fast"}, **see), 1.7) == Call("fast")  # cooldown over
+    # a peer that failed us is another matter: it is not waited for, the measured one may be taken
+    s.called("fast", "timeout", 1.8)
+    assert s.next(sight({"slow", "fast"}, {"slow", "fast"}, **see), 1.9) == Call("slow")
+    assert not p.declines("slow", 3e6, 3e6, 2.0)
+
+
 def test_open_share_makes_some_searches_open_to_every_link():
     rules = SearchRules(slower_link_ratio=3.0, slower_link_open_share=0.5)
     p = policy(rules, seed=3)

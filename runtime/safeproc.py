@@ -141,7 +141,8 @@ def clean_up_failed_starts() -> None:
         except Exception:
             for p2p in started[first:]:
                 with contextlib.suppress(Exception):  # already gone, or it does not stop: the error above is the news
-                    await asyncio.wait_for(p2p.shutdown(), FAILED_DAEMON_STOP_S)
+                    async with asyncio.timeout(FAILED_DAEMON_STOP_S):
+                        await p2p.shutdown()
             raise
         finally:
             del started[first:]

@@ -443,12 +443,12 @@ class BucketReader:
         beam = beam or self.beam
         with_signed = signed and self.signed_sink is not None and hasattr(self.dht, "run_coroutine")
         try:
-            if with_signed:
-                found, raw = await asyncio.wait_for(self.dht.run_coroutine(
-                    functools.partial(_signed_get, key, beam), return_future=True), self.request_timeout_s)
-            else:
-                found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True,
-                                                            beam_size=beam), self.request_timeout_s)
+            async with asyncio.timeout(self.request_timeout_s):
+                if with_signed:
+                    found, raw = await self.dht.run_coroutine(functools.partial(_signed_get, key, beam),
+                                                              return_future=True)
+                else:
+                    found = await self.dht.get(key, latest=True, return_future=True, beam_size=beam)
         except TimeoutError:
             log.warning("dht_get_timeout key=%s timeout_s=%.1f", key, self.request_timeout_s)
             return None, False
@@ -641,9 +641,9 @@ class Membership(BucketReader):
 
     async def _store(self, key: str, value, expiration: float) -> bool:
         try:
-            return bool(await asyncio.wait_for(
-                self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True, **self._store_kwargs),
-                self.request_timeout_s))
+            async with asyncio.timeout(self.request_timeout_s):
+                return bool(await self.dht.store(key, value, expiration, subkey=self.subkey, return_future=True,
+                                                 **self._store_kwargs))
         except TimeoutError:
             log.warning("dht_store_timeout key=%s timeout_s=%.1f", key, self.request_timeout_s)
             return False

@@ -694,7 +694,8 @@ class Network:
             self._waiters.append(fut)
         # the joiner waits accept_timeout_s for our reply header; half of it leaves room for the answer
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(fut, self.cfg.state_transfer.accept_timeout_s / 2)
+            async with asyncio.timeout(self.cfg.state_transfer.accept_timeout_s / 2):
+                await fut
         return self._snapshot
 
     def _first_listing(self) -> dict[str, PeerRecord]:

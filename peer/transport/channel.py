@@ -220,7 +220,8 @@ class Channel(asyncio.BufferedProtocol):
             return
         self._eof_waiter = self._loop.create_future()
         try:
-            await asyncio.wait_for(self._eof_waiter, timeout)
+            async with asyncio.timeout(timeout):
+                await self._eof_waiter
         except TimeoutError:
             pass    # a peer that keeps pushing gets closed on: it had its answer for `timeout` seconds
         finally:

@@ -248,7 +248,8 @@ class Exchanger:
             self._started = False
             for name in (self.handler_name, self.lane_name):
                 try:
-                    await asyncio.wait_for(self.p2p.remove_binary_stream_handler(name), 5.0)
+                    async with asyncio.timeout(5.0):
+                        await self.p2p.remove_binary_stream_handler(name)
                 except (TimeoutError, *STREAM_ERRORS, KeyError) as e:
                     log.debug("remove_handler name=%s error=%s: %s", name, type(e).__name__, e)
 
@@ -312,7 +313,8 @@ class Exchanger:
         if timeout <= 0:
             return None if self._incoming.empty() else self._incoming.get_nowait()
         try:
-            return await asyncio.wait_for(self._incoming.get(), timeout)
+            async with asyncio.timeout(timeout):
+                return await self._incoming.get()
         except TimeoutError:
             return None
 
@@ -341,7 +343,8 @@ class Exchanger:
         # the membership lookup is part of the call and within its deadline: a DHT get that asks a frozen node
         # waits out that node's RPC timeout (seen: 4.0 s against a 2.5-s exchange deadline, e2e frozen-peer test)
         try:
-            member = await asyncio.wait_for(_maybe_await(self.is_member(peer_id)), self.cfg.exchange_timeout_s)
+            async with asyncio.timeout(self.cfg.exchange_timeout_s):
+                member = await _maybe_await(self.is_member(peer_id))
         except TimeoutError:
             return result(Outcome.rejected, Code.NOT_MEMBER,
                           "local: partner's membership not confirmed within exchange_timeout_s")

@@ -119,7 +119,8 @@ class StateServer:
         if self._started:
             self._started = False
             try:
-                await asyncio.wait_for(self.p2p.remove_binary_stream_handler(self.name), 5.0)
+                async with asyncio.timeout(5.0):
+                    await self.p2p.remove_binary_stream_handler(self.name)
             except (TimeoutError, KeyError, *STREAM_ERRORS) as e:
                 log.debug("remove_handler name=%s error=%s: %s", self.name, type(e).__name__, e)
 

@@ -278,13 +278,13 @@ class Search:
         others = [q for q in sight.live if not p.backoff.blocked(q, now) and q not in uncallable]
         rates = {q: sight.rates.get(q, 0.0) for q in others}
         slower = self.slower(rates, sight.own_link, now)
-        # what to explore is judged over every callable peer that did not fail us, those in a BUSY cooldown
+        # what to explore is judged over every callable peer not in a failure's backoff, those in a BUSY cooldown
         # included: such a peer is engaged, not gone. Left out for its 0.5 s, the only unmeasured peer emptied the
         # set, and in that half second the search called the measured slow peer or accepted its call (which comes
         # just then: it ends its exchange with that very peer at the same instant). That fits the e2e flake of 2
         # fast peers and 1 slow in which the fast ones only ever paired with the slow one (1 CI run in 6)
-        explorable = {q: sight.rates.get(q, 0.0) for q in sight.live
-                      if q not in uncallable and q not in p.backoff.failures}
+        explorable = {q: sight.rates.get(q, 0.0) for q in sight.live if q not in uncallable
+                      and not (q in p.backoff.failures and p.backoff.blocked(q, now))}
         explore = self.exploring = (peers_to_explore(sight.own_link, explorable, now - self.start, self.window_s,
                                                      ratio=r.slower_link_ratio) if self.picky else set())
         self.passed |= slower & sight.ready.keys()

@@ -178,10 +178,13 @@ def test_an_unmeasured_peer_in_its_busy_cooldown_is_still_explored():
     assert s.exploring == {"fast"}
     assert p.declines("slow", 3e6, 3e6, 1.3)
     assert s.next(sight({"slow", "fast"}, {"slow", "fast"}, **see), 1.7) == Call("fast")  # cooldown over
-    # a peer that failed us is another matter: it is not waited for, the measured one may be taken
+    # a peer that failed us is another matter: it is not waited for during its backoff (2 s), the measured one
+    # may be taken; once the backoff is over it is the one to explore again
     s.called("fast", "timeout", 1.8)
     assert s.next(sight({"slow", "fast"}, {"slow", "fast"}, **see), 1.9) == Call("slow")
     assert not p.declines("slow", 3e6, 3e6, 2.0)
+    assert s.next(sight({"slow", "fast"}, {"slow", "fast"}, **see), 4.5) == Call("fast")
+    assert s.exploring == {"fast"} and p.declines("slow", 3e6, 3e6, 4.6)
 
 
 def test_open_share_makes_some_searches_open_to_every_link():

@@ -83,10 +83,14 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
         assert all(r["exchange_s"] <= EXCHANGE_TIMEOUT_S + 0.5 for r in late), late
     # p3 was away longer than its record's TTL and ~8 of its rounds: it resyncs from a survivor instead of mixing
     # its stale model in (mixed in, it sat at 1.5-2.1x its norm from its partners for several rounds)
-    h.wait_until(lambda: _resyncs(h, "p3"), 60, "p3's resync after SIGCONT", alive=tuple(names))
-    rs3 = _resyncs(h, "p3")[0]
+    # (only resyncs after the pause: an early one is legitimate - in 1 of 5 runs here p3's guard rejected two partners
+    # in round 3, while the peers' models still move fast, and p3 resynced as the odd one out)
+    def resyncs_after_pause():
+        return [r for r in _resyncs(h, "p3") if r["time"] >= t_pause]
+    h.wait_until(resyncs_after_pause, 60, "p3's resync after SIGCONT", alive=tuple(names))
+    rs3 = resyncs_after_pause()[0]
     assert rs3["joined_from"] in {ids[n] for n in survivors}, rs3
-    assert rs3["absent_s"] >= 15 and rs3["round"] > rs3["from_round"], rs3
+    assert rs3["reason"] == "absent" and rs3["absent_s"] >= 15 and rs3["round"] > rs3["from_round"], rs3
     h.wait_until(all_have(h, ["p3"], ok_rounds=1, partners=1, since=rs3["time"]), 90,
                  "p3 exchanging again after its resync", alive=tuple(names))
     after = [r for r in rounds(h, "p3") if r["time"] >= rs3["time"]]

@@ -4,6 +4,8 @@ A watcher thread records, every second, every process below pytest (DHT forks, p
 the unix sockets they and pytest itself hold (hivemind's /tmp/hivemind-p2p*-*.sock). At the end of the session any
 such process still alive, socket file still on disk or /dev/shm/torch_<pid>_* file of a finished process fails
 the run (exit status 1) after being killed / removed, so one leaky test cannot leave debris for the next run.
+A hivemind socket file made during the session that the watcher never saw held (its p2pd killed within a polling
+interval of binding it) is removed and reported as a warning naming the tests running when it was made.
 Per-test checks of gasloc subprocesses live in tests/e2e/conftest.py; this catches the rest (in-process swarms).
 """
 from __future__ import annotations
@@ -18,6 +20,9 @@ import pytest
 
 from gasloc.runtime.procs import descendants, is_alive, process_table, socket_inodes, unix_socket_paths
 
+HIVEMIND_SOCKETS = "/tmp/hivemind-*.sock"
+SPAN_SLACK_S = 1.0
+
 
 class SessionWatch:
     def __init__(self, interval_s: float = 1.0):
@@ -26,6 +31,9 @@ class SessionWatch:
         self.seen_during: dict[int, str] = {}  # pid -> the test running when it was first seen, for the leak report
         self.sockets: dict[str, str] = {}  # path -> who held it when first seen (pid, command, running test)
         self.test = "-"  # the test running now (pytest_runtest_logstart), for the leak report
+        self.spans: dict[str, list[float]] = {}  # test -> [start, end] (end: inf while it runs), to name creators
+        self.files_before = set(glob.glob(HIVEMIND_SOCKETS))
+        self.unseen: list[tuple[str, str]] = []  # set by finish(): see _unseen_files
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(interval_s,), daemon=True, name="leak-watch")
         self._thread.start()
@@ -79,11 +87,12 @@ class SessionWatch:
         shm = self._shm()
         if stale:
             problems.append(f"hivemind unix sockets left: {', '.join(f'{p} ({self.sockets[p]})' for p in stale)}")
+        self.unseen = self._unseen_files()
         if shm:
             problems.append("/dev/shm files left: " + ", ".join(
                 f"{f} (of pid {pid} {self.seen[pid][1]}, seen first during {self.seen_during[pid]})"
                 for f in shm for pid in [int(f.split("_")[1])]))
-        for path in stale + shm:
+        for path in stale + shm + [p for p, _ in self.unseen]:
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -106,6 +115,23 @@ class SessionWatch:
         # pytest's own MPFuture buffer is still in use until it exits: only finished processes count
         return sorted(f for pid in self.seen for f in glob.glob(f"/dev/shm/torch_{pid}_*"))
 
+    def _unseen_files(self) -> list[tuple[str, str]]:
+        """hivemind socket files created during the session that no process holds and the watcher never saw held:
+        a p2pd SIGKILLed (or crashed) less than a polling interval after it bound its socket; a stopped one
+        removes its file. (path, when it was made and which tests were running then)."""
+        bound = set(unix_socket_paths().values())
+        out = []
+        for path in sorted(set(glob.glob(HIVEMIND_SOCKETS)) - self.files_before - set(self.sockets) - bound):
+            try:
+                made = os.stat(path).st_ctime
+            except FileNotFoundError:
+                continue
+            # under xdist the workers' start and finish reach us some milliseconds late
+            tests = [t for t, (start, end) in self.spans.items() if start - SPAN_SLACK_S <= made <= end + SPAN_SLACK_S]
+            out.append((path, f"made {time.strftime('%H:%M:%S', time.localtime(made))} while these tests ran: "
+                              f"{', '.join(tests) or '-'}"))
+        return out
+
     def _bound(self) -> set[str]:
         # a socket file still bound by a live process of pytest itself (a module-level hivemind object) is not stale
         paths = unix_socket_paths()
@@ -127,6 +153,12 @@ def pytest_sessionstart(session):
 def pytest_runtest_logstart(nodeid, location):
     if _watch is not None:
         _watch.test = nodeid
+        _watch.spans[nodeid] = [time.time(), float("inf")]
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if _watch is not None and nodeid in _watch.spans:
+        _watch.spans[nodeid][1] = time.time()
 
 
 # trylast: under pytest-xdist the controller's workers are our children until xdist's own sessionfinish shuts them
@@ -136,8 +168,17 @@ def pytest_sessionfinish(session, exitstatus):
     if _watch is None:
         return
     problems = _watch.finish()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    # Reported and removed, not failed: such a file turned up in about one run in ten of the first part of `make
+    # test` (two seen) from a test not known yet; the report names the tests that were running when it was made.
+    for path, when in _watch.unseen:
+        line = f"LEAK CHECK WARNING: hivemind socket file {path} left by a process never seen holding it ({when}); " \
+               "removed now"
+        if reporter is not None:
+            reporter.write_line(line, yellow=True)
+        else:
+            print(line)
     if problems:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         for p in problems:
             line = f"LEAK CHECK FAILED: {p} (killed/removed now)"
             if reporter is not None:

@@ -23,7 +23,8 @@ class Backoff:
     busy_cooldown_s: float
     jitter: float = 0.2
     failures: dict[str, int] = field(default_factory=dict)
-    until: dict[str, float] = field(default_factory=dict)
+    until: dict[str, float] = field(default_factory=dict)          # not called before: a failure's backoff or a BUSY
+    failed_until: dict[str, float] = field(default_factory=dict)   # the failure's backoff alone (backing_off)
 
     def failed(self, peer: str, now: float, rng: random.Random) -> float:
         """Record a failure (timeout, error, rejection); returns the backoff chosen in seconds."""
@@ -31,7 +32,7 @@ class Backoff:
         self.failures[peer] = n
         delay = min(self.max_backoff_s, self.min_backoff_s * 2 ** (n - 1))
         delay *= 1 + self.jitter * (2 * rng.random() - 1)
-        self.until[peer] = now + delay
+        self.until[peer] = self.failed_until[peer] = now + delay
         return delay
 
     def busy(self, peer: str, now: float) -> None:
@@ -40,14 +41,19 @@ class Backoff:
     def succeeded(self, peer: str) -> None:
         self.failures.pop(peer, None)
         self.until.pop(peer, None)
+        self.failed_until.pop(peer, None)
 
     def blocked(self, peer: str, now: float) -> bool:
         return self.until.get(peer, 0.0) > now
 
+    def backing_off(self, peer: str, now: float) -> bool:
+        """In a failure's backoff (a BUSY's cooldown does not count: that peer is engaged, not failing)."""
+        return self.failed_until.get(peer, 0.0) > now
+
     def forget_absent(self, present: Iterable[str]) -> None:
         """Drop records of peers that left the listing, so the table does not grow with churn."""
         keep = set(present)
-        for table in (self.failures, self.until):
+        for table in (self.failures, self.until, self.failed_until):
             for p in [p for p in table if p not in keep]:
                 del table[p]
 

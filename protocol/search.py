@@ -283,8 +283,8 @@ class Search:
         # set, and in that half second the search called the measured slow peer or accepted its call (which comes
         # just then: it ends its exchange with that very peer at the same instant). That fits the e2e flake of 2
         # fast peers and 1 slow in which the fast ones only ever paired with the slow one (1 CI run in 6)
-        explorable = {q: sight.rates.get(q, 0.0) for q in sight.live if q not in uncallable
-                      and not (q in p.backoff.failures and p.backoff.blocked(q, now))}
+        explorable = {q: sight.rates.get(q, 0.0) for q in sight.live
+                      if q not in uncallable and not p.backoff.backing_off(q, now)}
         explore = self.exploring = (peers_to_explore(sight.own_link, explorable, now - self.start, self.window_s,
                                                      ratio=r.slower_link_ratio) if self.picky else set())
         self.passed |= slower & sight.ready.keys()

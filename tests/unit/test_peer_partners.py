@@ -39,7 +39,16 @@ def test_success_clears_and_absent_peers_are_forgotten():
     b.succeeded("p")
     assert not b.blocked("p", 0.1) and b.failures == {"q": 1}
     b.forget_absent(["p"])
-    assert b.failures == {} and b.until == {}
+    assert b.failures == {} and b.until == {} and b.failed_until == {}
+
+
+def test_a_busy_after_a_failure_is_a_cooldown_not_a_failure_backoff():
+    b = Backoff(min_backoff_s=1.0, max_backoff_s=5.0, busy_cooldown_s=0.5, jitter=0.0)
+    b.failed("p", 0.0, random.Random(0))
+    assert b.blocked("p", 0.9) and b.backing_off("p", 0.9)
+    assert not b.blocked("p", 1.1) and not b.backing_off("p", 1.1)
+    b.busy("p", 2.0)                       # the failure is still counted (no success since), its backoff is over
+    assert b.failures == {"p": 1} and b.blocked("p", 2.2) and not b.backing_off("p", 2.2)
 
 
 def test_pick_partner_skips_peers_in_backoff_and_returns_none_when_nobody_is_free():

@@ -185,6 +185,10 @@ def test_an_unmeasured_peer_in_its_busy_cooldown_is_still_explored():
     assert not p.declines("slow", 3e6, 3e6, 2.0)
     assert s.next(sight({"slow", "fast"}, {"slow", "fast"}, **see), 4.5) == Call("fast")
     assert s.exploring == {"fast"} and p.declines("slow", 3e6, 3e6, 4.6)
+    # and a BUSY from it now is a cooldown again, not its old failure's backoff: still explored, the slow one waits
+    s.called("fast", "busy", 4.6)
+    assert s.next(sight({"slow", "fast"}, {"slow", "fast"}, **see), 4.7) == Wait(0.25)
+    assert s.exploring == {"fast"} and p.declines("slow", 3e6, 3e6, 4.8)
 
 
 def test_open_share_makes_some_searches_open_to_every_link():

@@ -234,9 +234,11 @@ async def _network(initial_peers: list[str], announce_maddrs: list[str], public:
         # every interface and port 0: the addresses it reports are what a peer here would announce
         # no UPnP: a diagnostic should not open ports on the router
         # on the peer's port where given (free: check_port ran first), so the reachability probe tests the
-        # router's forward of that very port
-        p2p = await asyncio.wait_for(P2P.create(host_maddrs=[f"/ip4/0.0.0.0/tcp/{port}"], nat_port_map=False,
-                                                announce_maddrs=announce_maddrs or None), timeout_s)
+        # router's forward of that very port. The time limit is P2P.create's own startup_timeout, not a
+        # wait_for around it: cancelled from outside, create leaves the p2pd it spawned running (and its control
+        # socket in /tmp); on its own timeout it shuts that daemon down before it raises
+        p2p = await P2P.create(host_maddrs=[f"/ip4/0.0.0.0/tcp/{port}"], nat_port_map=False,
+                               announce_maddrs=announce_maddrs or None, startup_timeout=timeout_s)
     except Exception as e:
         return [Check("p2pd", FAIL, f"p2pd did not start: {str(e).splitlines()[0][:160] if str(e) else type(e)}",
                       "reinstall hivemind (pip install --force-reinstall hivemind==1.1.12: p2pd ships in the wheel) "

@@ -61,3 +61,18 @@ def test_a_dht_node_that_fails_after_its_daemon_started_stops_that_daemon(sock_d
     finally:
         loop.run_until_complete(bare.shutdown())
         loop.close()
+
+
+@pytest.mark.timeout(60)
+def test_doctor_whose_p2pd_is_slower_than_its_timeout_stops_that_p2pd(sock_dir):
+    """`gasloc doctor --timeout-s` shorter than p2pd's start (50 ms; it takes some 0.3 s here): a FAIL line, and the
+    daemon it spawned is gone. With a wait_for around P2P.create the cancelled create left that p2pd running (it
+    exits on its own only after its idle timeout) and its socket behind."""
+    from gasloc.cli.doctor_checks import _network
+
+    daemons = _our_p2pds()
+    checks = asyncio.run(_network([], [], False, 0.05, 5.0))
+    assert [(c.name, c.status) for c in checks] == [("p2pd", "FAIL")], checks
+    assert "did not start" in checks[0].detail
+    assert _our_p2pds() - daemons == set()
+    assert _p2pd_sockets(sock_dir) == set()

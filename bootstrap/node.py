@@ -48,13 +48,13 @@ def lock_identity(path: Path) -> int:
 
     hivemind refuses a taken identity only when the node has initial peers to ask (check_if_identity_free); a
     bootstrap usually has none, so two nodes on one host sharing a key file are caught here instead."""
-    from hivemind.p2p import P2P
+    from gasloc.runtime.identity import write_identity_file
 
     path = path.expanduser()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
-            P2P.generate_identity(str(path))  # RSA key, mode 0400
+            write_identity_file(path)  # Ed25519, mode 0400, as a peer's (an RSA file made before still works)
             log.info("identity_created path=%s", path)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:

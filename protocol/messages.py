@@ -28,7 +28,9 @@ def check_run_id(v: str) -> str:
         raise ValueError("run_id must be 1-64 letters, digits, '-' or '_'")
     return v
 
-PROTOCOL_VERSION = 1
+# 2: membership records may be signed with Ed25519 identities (peer/swarm/ed25519.py), which peers of protocol 1
+# refuse to hold; each side sees the other's records as another protocol (Network._check_protocols)
+PROTOCOL_VERSION = 2
 
 # dtypes a tensor may have in a header, with their size in bytes. Anything else is BAD_DTYPE.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -94,8 +96,9 @@ class WireHint(_Wire):
 
 Hints = tuple[WireHint, ...]
 
-# caps of an inline membership record (docs/membership.md): a real one is ~1.9 KB of JSON (a 1 KB signed value,
-# a 380-byte RSA-2048 owner subkey); anything far longer is garbage we need not parse
+# caps of an inline membership record (docs/membership.md): a real one is ~1.9 KB of JSON with an RSA-2048
+# identity (a 1 KB signed value, a 380-byte owner subkey), ~0.7 KB with an Ed25519 one; anything far longer is
+# garbage we need not parse
 MAX_MEMBER_KEY_CHARS = 96
 MAX_MEMBER_SUBKEY_CHARS = 1024
 MAX_MEMBER_VALUE_CHARS = 4096
@@ -103,13 +106,14 @@ MAX_MEMBER_VALUE_CHARS = 4096
 
 class WireMember(_Wire):
     """The caller's own signed DHT membership record, as its bucket holds it: the callee checks it (signature
-    under the subkey's RSA key, that key's peer id = the stream's remote peer, schema, run id, expiration) instead
+    under the subkey's owner key, that key's peer id = the stream's remote peer, schema, run id, expiration) instead
     of looking the caller up in the DHT. Every field is the caller's claim until those checks pass."""
     key: str = Field(min_length=1, max_length=MAX_MEMBER_KEY_CHARS, description="the bucket key it is stored under")
     subkey: str = Field(min_length=1, max_length=MAX_MEMBER_SUBKEY_CHARS,
-                        description="its DHT subkey: b'[owner:<RSA public key>]' as ASCII text")
+                        description="its DHT subkey: the owner's public key, b'[ed25519:<key>]' or "
+                                    "b'[owner:<RSA public key>]', as ASCII text")
     value: str = Field(min_length=1, max_length=MAX_MEMBER_VALUE_CHARS,
-                       description="base64 of the signed value bytes (msgpack record + [signature:...])")
+                       description="base64 of the signed value bytes (msgpack record + its signature)")
     expiration: float = Field(description="the DHT expiration time the signature covers")
 
 

@@ -91,6 +91,7 @@ class SafeDHT(DiesWithParent, hivemind.DHT):
 
     def run(self) -> None:
         clean_up_failed_starts()
+        read_ed25519_identity_files()
         if self._p2pd_flags:
             add_p2pd_flags(self._p2pd_flags)
         super().run()
@@ -166,3 +167,25 @@ def add_p2pd_flags(flags: dict[str, str]) -> None:
         return original(*args, **kwargs, **flags)
 
     P2P._make_process_args = staticmethod(with_flags)
+
+
+def read_ed25519_identity_files() -> None:
+    """Let hivemind's check that an identity is not taken (P2P.is_identity_taken, run by P2P.create for an existing
+    identity file when there are initial peers) read Ed25519 identity files, as gasloc makes them now
+    (runtime/identity.py): it derives the peer id with PeerID.from_identity, which parses the key as RSA and
+    raised on every Ed25519 file, failing the start. RSA files go the original way. Called in the forked DHT
+    child only (SafeDHT.run), like add_p2pd_flags."""
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
+
+    from gasloc.runtime.identity import Ed25519Identity, peer_id_of_public
+
+    original = PeerID.from_identity.__func__
+
+    def from_identity(cls, data: bytes):
+        pb = crypto_pb2.PrivateKey.FromString(data)
+        if pb.key_type == crypto_pb2.KeyType.Ed25519:
+            return cls.from_base58(peer_id_of_public(Ed25519Identity.from_libp2p_data(pb.data).public))
+        return original(cls, data)
+
+    PeerID.from_identity = classmethod(from_identity)

@@ -1,9 +1,9 @@
 """A caller's inline membership record: what a peer puts in its exchange and state requests (`signed_member`), and
 how the callee checks it (`Admission.check`; the caller's side is `Membership.inline`) instead of looking the caller up in the DHT.
 
-The record is exactly what the caller's bucket holds: the bucket key, the owner subkey (its RSA public key), the
-signed value and the expiration the signature covers. So the callee runs the DHT's own validators on it (hivemind's
-RSASignatureValidator, our BucketSchemaValidator: the checks every DHT node runs before storing a record), and
+The record is exactly what the caller's bucket holds: the bucket key, the owner subkey (its Ed25519 or RSA public key), the
+signed value and the expiration the signature covers. So the callee runs the DHT's own validators on it (the
+signature checks, peer/swarm/ed25519.py and hivemind's RSASignatureValidator, and our BucketSchemaValidator: the checks every DHT node runs before storing a record), and
 on top what a read of the bucket would tell: the key is a bucket of our run, the record is not expired, its owner
 key's peer id is the stream's remote peer (libp2p authenticates that), the record names that peer id, and it has
 our fingerprint and protocol (what `Membership.compatible` asks of a listed record). A private swarm's key is
@@ -14,7 +14,7 @@ so the caller is alive and calling; what a callee learns from it is that it was 
 that admission ends.
 
 Checked records are cached by their signed bytes, so a caller that calls again (every round) costs a dict lookup,
-not an RSA verification.
+not a signature verification.
 """
 from __future__ import annotations
 
@@ -45,11 +45,11 @@ class Admission:
         self.validator = CompositeValidator(validators if validators is not None else make_validators(run_id)[1])
         self._key_re = re.compile(rf"^{re.escape(run_id)}_m(\d{{1,2}})_(\d{{1,4}})$")
         self._cache: OrderedDict[bytes, PeerRecord] = OrderedDict()
-        self.verified = 0      # RSA verifications done (cache misses that got that far), for tests and the bench
+        self.verified = 0      # signature verifications done (cache misses that got that far), for tests and the bench
 
     def check(self, caller: str, member: WireMember, now: float) -> tuple[PeerRecord | None, str]:
         """(the caller's record, "") when `member` admits `caller` at DHT time `now`, else (None, why). Cheap checks
-        first, so a forged or foreign record costs no RSA verification."""
+        first, so a forged or foreign record costs no signature verification."""
         m = self._key_re.match(member.key)
         if m is None:
             return None, "record is not under a bucket key of this run"
@@ -77,7 +77,7 @@ class Admission:
                 rec = record_of(MSGPackSerializer.loads(self.validator.strip_value(record)))
             except (pv1.ValidationError, TypeError, ValueError):   # a malformed value the validators let by
                 return None, "record does not parse"
-            except Exception:  # noqa: BLE001 - msgpack / RSA parsing of hostile bytes raise many kinds
+            except Exception:  # noqa: BLE001 - msgpack / key parsing of hostile bytes raise many kinds
                 return None, "record does not parse"
             self._cache[cache_key] = rec
             if len(self._cache) > CACHE_SIZE:

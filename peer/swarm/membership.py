@@ -2,11 +2,13 @@
 
 Layout (protocol/buckets.py): a peer's record lives under the bucket keys `<run_id>_m<level>_<bucket>` of its
 level and the level below, the level following the swarm-size estimate (about 8 records a bucket); a reader lists
-a bucket or two of its own level, never the whole swarm. One subkey per peer in each bucket: that peer's RSA public
-key, so only its owner can write it (RSASignatureValidator). Every value must match `PeerRecord` exactly
-(`BucketSchemaValidator`: hivemind's SchemaValidator, with every bucket key mapped to the one schema, strict types).
+a bucket or two of its own level, never the whole swarm. One subkey per peer in each bucket: that peer's public
+key, so only its owner can write it: an Ed25519 key (`Ed25519SignatureValidator`, peer/swarm/ed25519.py; every new
+identity), or an RSA key of an identity file made before those (hivemind's RSASignatureValidator). Every value must
+match `PeerRecord` exactly (`BucketSchemaValidator`: hivemind's SchemaValidator, with every bucket key mapped to the
+one schema, strict types).
 
-A record is bound to its owner: the RSA key that signs it is the peer's libp2p identity key (the key file p2pd runs
+A record is bound to its owner: the key that signs it is the peer's libp2p identity key (the key file p2pd runs
 with), so the subkey's public key determines the libp2p peer id, and `parse_listing` drops a record whose `peer_id`
 is not the one its subkey derives to. Hence one subkey per identity, and no record can speak for another peer: a
 forged record for a live victim is simply not the victim's, and the victim stays listed.
@@ -44,7 +46,7 @@ from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.schema import SchemaValidator, conbytes
 from hivemind.dht.validation import DHTRecord
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
@@ -52,6 +54,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from gasloc import __version__
+from gasloc.peer.swarm import ed25519
+from gasloc.peer.swarm.ed25519 import Ed25519SignatureValidator
 from gasloc.protocol.buckets import (
     MAX_LEVEL,
     SizeEstimate,
@@ -64,6 +68,7 @@ from gasloc.protocol.buckets import (
 )
 from gasloc.protocol.messages import WireMember
 from gasloc.protocol.reach import MAX_VIA, RECORD_REACH
+from gasloc.runtime.identity import Ed25519Identity, peer_id_of_public
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +154,13 @@ def status_view(record: PeerRecord) -> StatusView | None:
         return None
 
 
+# a subkey holding an owner's public key: RSA (hivemind's `[owner:...]`, its BytesWithPublicKey) or Ed25519
+OwnerSubkey = conbytes(regex=b".*(?:" + RSASignatureValidator.PUBLIC_KEY_REGEX + b"|" + ed25519.OWNER_RE.pattern
+                       + b").*")
+
+
 class SwarmSchema(pv1.BaseModel):
-    peers: dict[BytesWithPublicKey, PeerRecord | None]
+    peers: dict[OwnerSubkey, PeerRecord | None]
 
 
 # The keys a record of ours carries: PeerRecord's fields and the extras Membership.record writes. A newer peer's
@@ -171,12 +181,12 @@ def plain_record(value: Any) -> bool:
 
 
 def _owner_subkey(subkey: Any) -> bool:
-    """A subkey the schema's BytesWithPublicKey accepts as it is: bytes holding an `[owner:...]` public key (its own
-    regex check, which raises on a mismatch)."""
+    """A subkey the schema's OwnerSubkey accepts as it is: bytes holding an `[owner:...]` or `[ed25519:...]` public
+    key (its own regex check, which raises on a mismatch)."""
     if type(subkey) is not bytes:
         return False
     try:
-        BytesWithPublicKey.match_regex(subkey)
+        OwnerSubkey.match_regex(subkey)
     except ValueError:
         return False
     return True
@@ -216,8 +226,8 @@ VALIDATION_CACHE = 8192   # records whose check result a DHT node keeps (a few b
 class _CachedChecks:
     """The result of `validate` kept by the record's bytes (key, subkey, value, expiration): the DHT checks every
     entry of every replica's answer to every get (a bucket read from 5 replicas is 5 checks of each record, and the
-    next listing reads many of the same records again), and each check is an RSA verification or a pydantic parse.
-    The result is a function of those bytes alone, so a record seen before costs a sha256 and a dict lookup."""
+    next listing reads many of the same records again), and each check is a signature verification or a pydantic
+    parse. The result is a function of those bytes alone, so a record seen before costs a sha256 and a dict lookup."""
 
     def _cached(self, record, check) -> bool:
         cache = self.__dict__.setdefault("_checked", OrderedDict())
@@ -235,11 +245,11 @@ class _CachedChecks:
 SIGNED_KEEP = 4096   # signed values the DHT node keeps of what it read, for signed hints (signed_hints.py)
 
 
-class CachedSignatureValidator(_CachedChecks, RSASignatureValidator):
-    """hivemind's RSASignatureValidator (signs with our key, checks owners' signatures), results cached. It also
-    keeps the signed bytes of each value it strips (hivemind strips a value only after its signature passed), so
-    that a get run in the DHT process (`_signed_get`) can return records with their signatures: what a peer passes
-    on as signed hints, checkable by anyone."""
+class _SignedChecks(_CachedChecks):
+    """A signature validator's checks, cached (_CachedChecks). It also keeps the signed bytes of each value it
+    strips (the DHT strips a value only after its signature passed), so that a get run in the DHT process
+    (`_signed_get`) can return records with their signatures: what a peer passes on as signed hints, checkable by
+    anyone."""
 
     def validate(self, record) -> bool:
         return self._cached(record, super().validate)
@@ -255,6 +265,17 @@ class CachedSignatureValidator(_CachedChecks, RSASignatureValidator):
 
     def signed_value(self, key_id: bytes, subkey: bytes, expiration: float) -> bytes | None:
         return self.__dict__.get("_signed", {}).get((key_id, subkey, expiration))
+
+
+class CachedSignatureValidator(_SignedChecks, RSASignatureValidator):
+    """hivemind's RSASignatureValidator (signs with an RSA identity, checks RSA owners' signatures), cached."""
+
+
+class CachedEd25519Validator(_SignedChecks, Ed25519SignatureValidator):
+    """Ed25519SignatureValidator (signs with an Ed25519 identity, checks Ed25519 owners' signatures), cached."""
+
+
+Signer = CachedEd25519Validator | CachedSignatureValidator   # what signs our records (make_validators)
 
 
 class BucketSchemaValidator(_CachedChecks, SchemaValidator):
@@ -305,17 +326,26 @@ class IdentityError(ValueError):
     """The identity key file cannot sign records; one line that says why."""
 
 
-def load_identity(path: str | Path) -> RSAPrivateKey:
-    """The RSA key of a libp2p identity file (protobuf PrivateKey, as hivemind's P2P.generate_identity writes it)."""
+Identity = Ed25519Identity | RSAPrivateKey
+
+
+def load_identity(path: str | Path) -> Identity:
+    """The key of a libp2p identity file (protobuf PrivateKey): Ed25519 (runtime/identity.py, every identity gasloc
+    makes now) or RSA (hivemind's P2P.generate_identity, identity files made before)."""
     try:
         pb = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
     except OSError as e:
         raise IdentityError(f"cannot read identity file {path}: {e.strerror}") from None
     except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends: the file is not a key, whatever broke
         raise IdentityError(f"identity file {path} is not a libp2p private key") from None
+    if pb.key_type == crypto_pb2.KeyType.Ed25519:
+        try:
+            return Ed25519Identity.from_libp2p_data(pb.data)
+        except ValueError as e:
+            raise IdentityError(f"identity file {path} holds a malformed Ed25519 key: {e}") from None
     if pb.key_type != crypto_pb2.KeyType.RSA:
         raise IdentityError(f"identity file {path} holds a {crypto_pb2.KeyType.Name(pb.key_type)} key; gasloc "
-                            f"peers need an RSA identity (remove the file and a new one is made)")
+                            f"peers need an Ed25519 or RSA identity (remove the file and a new one is made)")
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     try:
         # RSAPrivateKey has no constructor from bytes; its unpickling path loads exactly this DER encoding
@@ -327,13 +357,18 @@ def load_identity(path: str | Path) -> RSAPrivateKey:
 
 @functools.lru_cache(maxsize=4096)
 def peer_id_of(owner_subkey: bytes) -> str | None:
-    """The libp2p peer id (base58) of the RSA key in a `[owner:<ssh-rsa ...>]` subkey; None if there is none.
-    libp2p's rule: sha2-256 multihash of the protobuf PublicKey holding the DER SubjectPublicKeyInfo."""
+    """The libp2p peer id (base58) of the one owner key in a subkey, `[ed25519:...]` or `[owner:<ssh-rsa ...>]`;
+    None if there is none, or more than one. libp2p's rule for RSA: sha2-256 multihash of the protobuf PublicKey
+    holding the DER SubjectPublicKeyInfo (Ed25519: runtime/identity.py peer_id_of_public)."""
     if not isinstance(owner_subkey, bytes):
         return None
     found = RSASignatureValidator._PUBLIC_KEY_RE.findall(owner_subkey)
-    if len(found) != 1:
+    eds = ed25519.OWNER_RE.findall(owner_subkey)
+    if len(found) + len(eds) != 1:
         return None
+    if eds:
+        public = ed25519.owner_public(owner_subkey)
+        return peer_id_of_public(public) if public is not None else None
     try:
         public = RSAPublicKey.from_bytes(found[0])._public_key
     except (ValueError, TypeError):
@@ -345,12 +380,23 @@ def peer_id_of(owner_subkey: bytes) -> str | None:
     return base58.b58encode(digest).decode()
 
 
-def make_validators(run_id: str, identity: RSAPrivateKey | None = None) -> tuple[RSASignatureValidator, list]:
-    """The record signer and the validators to give the DHT. A peer passes its libp2p identity key (so its records
-    are bound to its peer id); a bootstrap, which announces nothing, may let a fresh key be made. Never
-    RSAPrivateKey.process_wide(): forked peers would share it."""
-    signer = CachedSignatureValidator(identity or RSAPrivateKey())
-    return signer, [signer, BucketSchemaValidator(run_id)]
+def make_validators(run_id: str, identity: Identity | None = None) -> tuple[Signer, list]:
+    """The record signer and the validators to give the DHT: both signature kinds (records of peers with either
+    identity are read and checked) and the schema. A peer passes its libp2p identity key (so its records are bound
+    to its peer id); a bootstrap, which announces nothing, may let a fresh key be made. The RSA validator of an
+    Ed25519 peer only verifies: its key is a throwaway, never RSAPrivateKey.process_wide() (forked peers would
+    share it)."""
+    identity = identity or Ed25519Identity()
+    ed = CachedEd25519Validator(identity if isinstance(identity, Ed25519Identity) else Ed25519Identity())
+    rsa = CachedSignatureValidator(identity if isinstance(identity, RSAPrivateKey) else _verify_only_rsa_key())
+    return (ed if isinstance(identity, Ed25519Identity) else rsa), [ed, rsa, BucketSchemaValidator(run_id)]
+
+
+@functools.lru_cache(maxsize=1)
+def _verify_only_rsa_key() -> RSAPrivateKey:
+    """The key of an RSA validator that never signs (an Ed25519 peer's): made once per process (~50 ms), never
+    used to sign, since no subkey of ours holds it."""
+    return RSAPrivateKey()
 
 
 # A get of a bucket asks the nearest GET_BEAM nodes, not hivemind's default beam of 20: a store writes to the 5
@@ -379,23 +425,26 @@ def listing_beam(private_swarm: bool) -> int:
 # answers from such a cached snapshot in place of its own storage when the snapshot's expiration is later
 DHT_CACHE_NEAREST = 0
 
-SIGNATURE_BYTES = 357  # b"[signature:<344 base64 chars>]" of an RSA-2048 signature, stripped before we see a value
+# what an entry's signature adds to its value (the DHT strips it before we see a value): b"[signature:<344 base64
+# chars>]" of an RSA-2048 one (356 bytes; 357 until 2026-12-04, one too many), ed25519.SIGNATURE_BYTES (101) of an
+# Ed25519 one
+SIGNATURE_BYTES = len(RSASignatureValidator.SIGNATURE_FORMAT.replace(b"_value_", b"A" * 344))
 
 
 async def _signed_get(key: str, beam: int, _dht, node):
     """Run in the DHT process (DHT.run_coroutine): the get a listing does, plus, for each entry, its signed value
-    bytes as the node read and checked them (CachedSignatureValidator). Returns (found, {subkey: signed bytes});
-    an entry whose kept bytes are not exactly its value plus a signature gets none."""
+    bytes as the node read and checked them (the _SignedChecks validators: Ed25519 and RSA). Returns (found,
+    {subkey: signed bytes}); an entry whose kept bytes are not exactly its value plus a signature gets none."""
     found = await node.get(key, latest=True, beam_size=beam)
     signed: dict[bytes, bytes] = {}
-    checker = next((v for v in getattr(node.protocol.record_validator, "_validators", ())
-                    if isinstance(v, CachedSignatureValidator)), None)
-    if checker is not None and found is not None and isinstance(found.value, dict):
+    checkers = [v for v in getattr(node.protocol.record_validator, "_validators", ()) if isinstance(v, _SignedChecks)]
+    if checkers and found is not None and isinstance(found.value, dict):
         key_id = DHTID.generate(source=key).to_bytes()
         for subkey, entry in found.value.items():
             if entry.value is None:
                 continue
-            raw = checker.signed_value(key_id, MSGPackSerializer.dumps(subkey), entry.expiration_time)
+            packed = MSGPackSerializer.dumps(subkey)
+            raw = next((r for c in checkers if (r := c.signed_value(key_id, packed, entry.expiration_time))), None)
             if raw is not None and raw.startswith(MSGPackSerializer.dumps(entry.value)):
                 signed[subkey] = raw
     return found, signed
@@ -406,8 +455,12 @@ def entry_bytes(found) -> int:
     and expiration. An estimate for metrics and bench/scale.py (the DHT strips signatures before we see values)."""
     if found is None or not isinstance(found.value, dict):
         return 0
-    return sum(len(MSGPackSerializer.dumps(k)) + len(MSGPackSerializer.dumps(e.value)) + SIGNATURE_BYTES + 8
+    return sum(len(MSGPackSerializer.dumps(k)) + len(MSGPackSerializer.dumps(e.value)) + _signature_bytes(k) + 8
                for k, e in found.value.items())
+
+
+def _signature_bytes(subkey) -> int:
+    return ed25519.SIGNATURE_BYTES if isinstance(subkey, bytes) and b"[ed25519:" in subkey else SIGNATURE_BYTES
 
 
 class BucketReader:
@@ -571,7 +624,7 @@ class BucketReader:
 class Membership(BucketReader):
     """Announce, refresh and withdraw this peer's record, and read others' (BucketReader)."""
 
-    def __init__(self, dht, signer: RSASignatureValidator, *, run_id: str, peer_id: str, fingerprint: str,
+    def __init__(self, dht, signer: Signer, *, run_id: str, peer_id: str, fingerprint: str,
                  protocol: int, ttl_s: float, request_timeout_s: float = 10.0, rng: random.Random | None = None,
                  beam: int = GET_BEAM):
         super().__init__(dht, run_id=run_id, request_timeout_s=request_timeout_s, rng=rng, beam=beam)
@@ -653,9 +706,9 @@ class Membership(BucketReader):
         return compatible(records, peer_id=self.peer_id, fingerprint=self.fingerprint, protocol=self.protocol)
 
 
-def signed_member(signer: RSASignatureValidator, key: str, record: dict, expiration: float) -> WireMember:
-    """A record as bucket `key` holds it, signed as our DHT node signs it (with the same RSA key): an inline
-    membership record (peer/swarm/admission.py). One RSA signature, once per announcement."""
+def signed_member(signer: Signer, key: str, record: dict, expiration: float) -> WireMember:
+    """A record as bucket `key` holds it, signed as our DHT node signs it (with the same key): an inline
+    membership record (peer/swarm/admission.py). One signature, once per announcement."""
     subkey = signer.local_public_key
     rec = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey),
                     MSGPackSerializer.dumps(record), expiration)

@@ -23,6 +23,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
+from gasloc import __version__
 from gasloc.peer.swarm.absence import AbsenceWatch
 from gasloc.peer.swarm.admission import Admission
 from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe, probe_addrs, relay_handler_name
@@ -46,6 +47,7 @@ from gasloc.protocol.buckets import HintBook, PeerHint, listing_interval_s, pick
 from gasloc.protocol.messages import PROTOCOL_VERSION, WireMember
 from gasloc.protocol.reach import probed_reachability, record_reach, reprobe_due, reprobed_reachability, route
 from gasloc.runtime.aio import LoopThread
+from gasloc.runtime.identity import write_identity_file
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.safeproc import SafeDHT
 
@@ -107,6 +109,7 @@ class Network:
         self._search_listings = 0                  # listings asked for during the partner search in progress
         self._list_asked_at = 0.0                  # when the latest listing was asked for (monotonic)
         self.legacy_seen: set[str] = set()         # peers of the older single-key layout, reported once each
+        self.protocol_seen: set[str] = set()       # peers of another protocol, reported once each
         self._bytes_reported = self._gets_reported = 0   # membership reads already in an earlier round's metrics
         self._hints_reported = [0, 0]              # signed hints used / refused, already in an earlier round's
         self.peer_id, self.maddrs, self.fingerprint = "", [], ""
@@ -134,14 +137,14 @@ class Network:
         signed with this key, so even a peer without --identity-path runs p2pd with a key file we can read: a fresh
         key, kept in memory and written to a private temporary file only while p2pd starts (it reads the file once
         then), so that a peer killed later leaves no key file behind."""
-        from hivemind.p2p import P2P
-
         path = self.cfg.network.identity_path
         if path is not None:
             path = Path(path).expanduser()
             if not path.exists():
                 try:
-                    P2P.generate_identity(str(path))   # what p2pd would do, done first so that we can sign with it
+                    # an Ed25519 key (runtime/identity.py: records less than half the size of RSA-signed ones), made
+                    # before p2pd starts, so that we can sign with it
+                    write_identity_file(path)
                 except OSError as e:
                     raise StartupError(f"cannot create identity file {path}: {e}") from None
             yield str(path), False
@@ -150,7 +153,7 @@ class Network:
         fresh = Path(home) / "identity.key"
         try:
             if self._fresh_key is None:
-                P2P.generate_identity(str(fresh))
+                write_identity_file(fresh)
                 self._fresh_key = fresh.read_bytes()
             else:   # a restart as a DHT client keeps the identity
                 fresh.write_bytes(self._fresh_key)
@@ -266,7 +269,7 @@ class Network:
         self.hints = HintBook(self.peer_id)
         self.membership.signed_sink = self.signed.keep   # our bucket reads' records, with their signatures
         self._check_layout(self.aio.run(self.membership.legacy_peers(), timeout), starting=True)
-        self._take(self.aio.run(self.membership.probe(), timeout))
+        self._take(self.aio.run(self.membership.probe(), timeout), starting=True)
         self.relay.volunteer = net.forwarding and not self.private
         self.aio.run(self.membership.announce(self._record()), timeout)
         self.listed_at = time.monotonic()
@@ -478,13 +481,33 @@ class Network:
             self.listed_at = time.monotonic()
             self._keep_attached()
 
-    def _take(self, found: dict[str, PeerRecord] | None) -> None:
+    def _take(self, found: dict[str, PeerRecord] | None, *, starting: bool = False) -> None:
         """Merge records just read into what we know, and drop what expired. A DHT that did not answer (None)
         leaves what we know, minus what expired: an empty view would make every partner a stranger."""
         gone = self.membership.withdrawn   # peers whose withdrawal (None) a read just saw
         known = self.membership.prune({p: r for p, r in {**self.records, **(found or {})}.items() if p not in gone})
         self.records = known
         self.live = self.membership.compatible(known)
+        self._check_protocols(found or {}, starting=starting)
+
+    def _check_protocols(self, records: dict[str, PeerRecord], *, starting: bool) -> None:
+        """Peers of the run that speak another protocol: we cannot exchange with them, and across the change to
+        protocol 2 a peer of protocol 1 does not even hold our records (their Ed25519 signatures fail its schema),
+        so the swarm would split without a word. Refuse to start; while running, an ERROR per new one."""
+        others = {pid: r for pid, r in records.items()
+                  if pid != self.peer_id and r.protocol != PROTOCOL_VERSION and pid not in self.protocol_seen}
+        if not others:
+            return
+        self.protocol_seen |= set(others)
+        pid = sorted(others)[0]
+        version = (status_view(others[pid]) or StatusView()).version or "unknown"
+        what = (f"mixed swarm: {len(others)} peer(s) of run {self.cfg.swarm.run_id!r} speak protocol "
+                f"{others[pid].protocol} (e.g. {pid}, gasloc version {version}); this peer (gasloc {__version__}) "
+                f"speaks protocol {PROTOCOL_VERSION}; peers of different protocols cannot exchange, so the swarm "
+                f"would split: run one gasloc version on every peer of the run")
+        if starting:
+            raise StartupError(what)
+        log.error("%s", what)
 
     async def _legacy_watch(self) -> None:
         while True:
@@ -633,7 +656,7 @@ class Network:
         if self.is_member(peer_id):
             return True
         if self.signed.has_offer(pid) and self.admission is not None:
-            # a peer hinted at with its signed record: check the record (one RSA verification) instead of a get
+            # a peer hinted at with its signed record: check the record (one signature verification) instead of a get
             rec, _why = self.signed.check(pid, self.admission, get_dht_time())
             if rec is not None and self._join_view(peer_id, rec, self.signed.kept(pid).expiration):
                 return True

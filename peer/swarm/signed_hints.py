@@ -1,5 +1,5 @@
 """Signed hints: other peers' signed membership records, passed on with peer-exchange hints, so that a peer about
-to call a hinted peer checks the record it was handed (one RSA verification, cached) instead of looking the peer
+to call a hinted peer checks the record it was handed (one signature verification, cached) instead of looking the peer
 up in its DHT bucket (one get: ~10 ms of CPU at 1,000 members, bench/scale.py). docs/membership.md.
 
 Where the records come from: our DHT node's reads (it checked every signature before we see a value; the signed
@@ -57,7 +57,7 @@ class SignedRecords:
             except UnicodeEncodeError:
                 owner = None
             if owner is None:
-                self._refuse("?", source, "record's subkey holds no RSA key")
+                self._refuse("?", source, "record's subkey holds no owner key")
                 continue
             self._offered[owner] = (m, source)
             self._offered.move_to_end(owner)

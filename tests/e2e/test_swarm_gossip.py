@@ -44,6 +44,8 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
     cfg.write_text(cfg.read_text().replace("warmup_steps = 10", DECAY))
     names = ["p0", "p1", "p2", "p3"]
     ids = start_peers(h, names, bootstrap, cfg)
+    # fresh identities are Ed25519 (runtime/identity.py): libp2p's peer ids of such keys start with 12D3KooW
+    assert all(pid.startswith("12D3KooW") for pid in ids.values()), ids
 
     # 1. random pairwise exchanges: everyone mixes with at least two different partners
     h.wait_until(all_have(h, names, ok_rounds=5, partners=2), 180, "5 ok exchanges with >= 2 partners each",

@@ -271,13 +271,13 @@ def test_garbage_replies_rejected_by_the_initiator():
                 mode = replies["mode"]
                 if mode == "wrong_shape":
                     specs = tuple(SPECS[::-1])
-                    await ch.write(encode_header(ExchangeReply(protocol_version=1, code=0, fingerprint=FP,
+                    await ch.write(encode_header(ExchangeReply(protocol_version=PROTOCOL_VERSION, code=0, fingerprint=FP,
                                                                specs=specs, total_bytes=payload_bytes(specs))))
                 elif mode == "too_large":
-                    await ch.write(encode_header(ExchangeReply(protocol_version=1, code=0, fingerprint=FP,
+                    await ch.write(encode_header(ExchangeReply(protocol_version=PROTOCOL_VERSION, code=0, fingerprint=FP,
                                                                specs=tuple(SPECS), total_bytes=1 << 40)))
                 elif mode == "ok_then_eof":
-                    await ch.write(encode_header(ExchangeReply(protocol_version=1, code=0, fingerprint=FP,
+                    await ch.write(encode_header(ExchangeReply(protocol_version=PROTOCOL_VERSION, code=0, fingerprint=FP,
                                                                specs=tuple(SPECS),
                                                                total_bytes=payload_bytes(SPECS, "float32"))))
                     await ch.write(b"\x00" * 1000)

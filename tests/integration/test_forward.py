@@ -10,7 +10,7 @@ from p2p_helpers import arun, p2p_nodes
 from gasloc.peer.swarm.forward import RelayService, RoutedP2P, _send, read_frame
 from gasloc.peer.transport.exchange import ExchangeConfig, Exchanger
 from gasloc.protocol.codes import Code
-from gasloc.protocol.messages import fingerprint
+from gasloc.protocol.messages import PROTOCOL_VERSION, fingerprint
 from gasloc.protocol.reach import ForwardedHello, RelayReply, RelayRequest
 
 NS = "ftest"
@@ -29,7 +29,7 @@ def relay(routed, members, volunteer=True, **kw):
                         circuit_timeout_s=20, on_detached=kw.get("on_detached", lambda: None))
 
 
-async def ask(p2p, peer, request: bytes | RelayRequest, name=f"{NS}::gasloc.relay.v1") -> RelayReply:
+async def ask(p2p, peer, request: bytes | RelayRequest, name=f"{NS}::gasloc.relay.v{PROTOCOL_VERSION}") -> RelayReply:
     _, reader, writer = await p2p.call_binary_stream_handler(peer, name)
     try:
         if isinstance(request, bytes):
@@ -99,7 +99,7 @@ def test_bad_relay_requests_get_codes():
             sr = relay(rr, members)
             await sr.start()
             assert Code(( await ask(a, r.peer_id, b"\x00\x00\x00\x05hello")).code) == Code.BAD_HEADER
-            too_many = b'{"protocol_version":1,"kind":"probe","addrs":' + str([["10.0.0.1", 1]] * 9).replace(
+            too_many = b'{"protocol_version":%d,"kind":"probe","addrs":' % PROTOCOL_VERSION + str([["10.0.0.1", 1]] * 9).replace(
                 "'", '"').encode() + b"}"
             reply = await ask(a, r.peer_id, len(too_many).to_bytes(4, "big") + too_many)
             assert Code(reply.code) == Code.BAD_HEADER and "addrs" in reply.message
@@ -134,7 +134,7 @@ def test_forwarded_streams_only_from_forwarders_we_attached_to():
                 writer.close()
             await rb.add_binary_stream_handler(f"{NS}::h", handler)
             # c claims to forward a stream from a made-up origin; b never attached to c
-            _, reader, writer = await c.call_binary_stream_handler(b.peer_id, f"{NS}::gasloc.forwarded.v1")
+            _, reader, writer = await c.call_binary_stream_handler(b.peer_id, f"{NS}::gasloc.forwarded.v{PROTOCOL_VERSION}")
             try:   # closed on us (p2pd shows the close as an EOF or as a reset, even while we still send: seen once
                 #   under pytest-xdist), nothing dispatched
                 await _send(writer, ForwardedHello(origin=str(c.peer_id), handler=f"{NS}::h"))

@@ -76,3 +76,26 @@ def test_doctor_whose_p2pd_is_slower_than_its_timeout_stops_that_p2pd(sock_dir):
     assert "did not start" in checks[0].detail
     assert _our_p2pds() - daemons == set()
     assert _p2pd_sockets(sock_dir) == set()
+
+
+@pytest.mark.timeout(90)
+def test_a_dht_runs_with_an_ed25519_identity_file_and_its_peer_id_is_the_one_records_derive(sock_dir, tmp_path):
+    """p2pd takes gasloc's Ed25519 identity files (runtime/identity.py) and reports the peer id that a record's owner
+    key derives to; with initial peers, hivemind's check that the identity is not taken reads such a file too
+    (safeproc.read_ed25519_identity_files: it parsed every file as RSA and failed the start)."""
+    from gasloc.peer.swarm.membership import make_validators, peer_id_of
+    from gasloc.runtime.identity import write_identity_file
+
+    first = SafeDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=30)
+    try:
+        path = tmp_path / "ed.key"
+        ident = write_identity_file(path)
+        dht = SafeDHT(initial_peers=[str(m) for m in first.get_visible_maddrs()], start=True,
+                      host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(path), startup_timeout=30)
+        try:
+            signer, _ = make_validators("run", ident)
+            assert dht.peer_id.to_base58() == peer_id_of(signer.local_public_key)
+        finally:
+            dht.shutdown()
+    finally:
+        first.shutdown()

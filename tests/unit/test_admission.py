@@ -1,6 +1,7 @@
-"""A caller's inline membership record (peer/swarm/admission.py): an honest one admits its owner with one RSA
-verification (then from the cache), and every forged, foreign, expired, misplaced or oversize one is refused;
-the network admits with it and looks a caller up in the DHT only when its request carries none."""
+"""A caller's inline membership record (peer/swarm/admission.py), signed with an Ed25519 or an RSA identity: an
+honest one admits its owner with one signature verification (then from the cache), and every forged, foreign,
+expired, misplaced or oversize one is refused; the network admits with it and looks a caller up in the DHT only
+when its request carries none."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from gasloc.peer.config import PeerConfig
 from gasloc.peer.swarm.admission import Admission
+from gasloc.peer.swarm.ed25519 import Ed25519SignatureValidator
 from gasloc.peer.swarm.membership import Membership, bucket_key, make_validators, peer_id_of, signed_member
 from gasloc.peer.swarm.network import Network, PeerStatus
 from gasloc.protocol.buckets import bucket_of
@@ -26,10 +28,19 @@ from gasloc.protocol.wire import WireError, decode_header
 RUN = "admitrun"
 
 
-def _signer() -> RSASignatureValidator:
+def _signer(kind: str = "ed25519"):
+    """A peer's record signer: Ed25519 (what gasloc makes) or RSA (identity files made before; 1024-bit keys here:
+    peer ids derive the same way at any size, and they are made ten times faster)."""
+    if kind == "ed25519":
+        return make_validators(RUN)[0]
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key._private_key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
-    return RSASignatureValidator(key)
+    return make_validators(RUN, key)[0]
+
+
+def _identity(signer):
+    """The identity key a signer of _signer signs with."""
+    return signer.identity if hasattr(signer, "identity") else signer._private_key
 
 
 class FakeDHT:
@@ -49,15 +60,15 @@ class FakeDHT:
         return ValueWithExpiration(entries, time.time() + 60) if entries else None
 
 
-@pytest.fixture(scope="module")
-def signers():
-    return [_signer() for _ in range(3)]
+@pytest.fixture(scope="module", params=["ed25519", "rsa"])
+def signers(request):
+    return [_signer(request.param) for _ in range(3)]
 
 
 def _admission(signers) -> Admission:
-    # the callee's validators with a key we already have (an Admission makes an RSA-2048 key otherwise: slow)
+    # the callee's validators with a key we already have
     return Admission(RUN, fingerprint="f", protocol=PROTOCOL_VERSION,
-                     validators=make_validators(RUN, signers[2]._private_key)[1])
+                     validators=make_validators(RUN, _identity(signers[2]))[1])
 
 
 def _network(dht, signers) -> Network:
@@ -86,7 +97,7 @@ def test_an_honest_record_admits_its_owner_and_is_verified_once(signers):
     for _ in range(3):
         rec, why = adm.check(m.peer_id, m.inline, get_dht_time())
         assert why == "" and rec is not None and rec.peer_id == m.peer_id and rec.round == 4
-    assert adm.verified == 1          # the same signed bytes again: from the cache, no RSA verification
+    assert adm.verified == 1          # the same signed bytes again: from the cache, no signature verification
     # it travels in both requests and stays far below the header caps
     assert len(m.inline.model_dump_json()) < 2000
     for cls in (ExchangeRequest, StateRequest):
@@ -178,10 +189,12 @@ def test_the_dht_validators_check_a_record_once_and_still_refuse_altered_bytes(s
     from hivemind.utils.serializer import MSGPackSerializer
 
     m = _announced(FakeDHT(), signers[0])
-    _, validators = make_validators(RUN, signers[1]._private_key)
+    _, validators = make_validators(RUN, _identity(signers[1]))
     calls = []
-    real = RSASignatureValidator.validate
-    monkeypatch.setattr(RSASignatureValidator, "validate", lambda self, r: calls.append(1) or real(self, r))
+    # the signature check of the record's kind (the other kind's passes it by without a check)
+    kind = Ed25519SignatureValidator if isinstance(signers[0], Ed25519SignatureValidator) else RSASignatureValidator
+    real = kind.validate
+    monkeypatch.setattr(kind, "validate", lambda self, r: calls.append(1) or real(self, r))
     composite = CompositeValidator(validators)
     w = m.inline
     record = DHTRecord(DHTID.generate(source=w.key).to_bytes(), MSGPackSerializer.dumps(w.subkey.encode()),

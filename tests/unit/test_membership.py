@@ -8,6 +8,7 @@ import pytest
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from gasloc.peer.swarm.membership import (
@@ -43,10 +44,13 @@ def _dht_record(validator: CompositeValidator, signer, value, subkey=None, key=N
     return DHTRecord(rec.key, rec.subkey, validator.sign_value(rec), rec.expiration_time)
 
 
-@pytest.fixture(scope="module")
-def two_peers():
-    """Two peers' validators (each with its own RSA key) as their DHT nodes hold them."""
-    (sig_a, va), (sig_b, vb) = make_validators(RUN), make_validators(RUN)
+@pytest.fixture(scope="module", params=["ed25519", "rsa"])
+def two_peers(request):
+    """Two peers' validators (each with its own key) as their DHT nodes hold them: Ed25519 identities (what gasloc
+    makes) or RSA ones (identity files made before)."""
+    def identity():
+        return None if request.param == "ed25519" else RSAPrivateKey()
+    (sig_a, va), (sig_b, vb) = make_validators(RUN, identity()), make_validators(RUN, identity())
     return (sig_a, CompositeValidator(va)), (sig_b, CompositeValidator(vb))
 
 
@@ -87,7 +91,7 @@ def test_nobody_can_write_under_another_peers_key(two_peers):
     forged = _dht_record(val_b, sig_b, _record(peer_id="evil"), subkey=sig_a.local_public_key)
     assert not val_a.validate(forged)
     assert not val_b.validate(forged)
-    # a subkey without any [owner:...] public key is refused by the schema (BytesWithPublicKey)
+    # a subkey without any owner's public key is refused by the schema (OwnerSubkey)
     assert not val_b.validate(_dht_record(val_a, sig_a, _record(), subkey=b"anonymous"))
 
 
@@ -115,7 +119,7 @@ def test_the_record_key_is_the_libp2p_identity(identities):
     assert peer_id_of(b"no key in here") is None and peer_id_of(None) is None
 
 
-def test_an_identity_file_that_is_no_rsa_key_is_one_line(tmp_path):
+def test_an_identity_file_that_is_no_key_is_one_line(tmp_path):
     bad = tmp_path / "k"
     bad.write_bytes(b"garbage")
     with pytest.raises(IdentityError, match="not a libp2p private key"):

@@ -28,6 +28,7 @@ from gasloc.peer.swarm.membership import (
 )
 from gasloc.peer.swarm.network import Network, PeerStatus
 from gasloc.protocol.buckets import BUCKET_TARGET, MAX_LEVEL, bucket_of, level_for
+from gasloc.protocol.messages import PROTOCOL_VERSION
 from gasloc.runtime.lifecycle import StartupError
 
 RUN = "bucketrun"
@@ -242,6 +243,29 @@ def test_a_mixed_swarm_refuses_to_start_and_is_an_error_while_running(signers, c
     with caplog.at_level(logging.ERROR):
         net._check_layout({old.peer_id: rec}, starting=False)
         net._check_layout({old.peer_id: rec}, starting=False)  # once per peer, not every check
+    assert sum("mixed swarm" in r.message for r in caplog.records) == 1
+
+
+def test_peers_of_another_protocol_stop_the_start_and_are_an_error_while_running(signers, caplog):
+    """Protocol 2 signs records with Ed25519 keys, which peers of protocol 1 refuse to hold: each side would miss
+    the other without a word, so the newer one says so (Network._check_protocols)."""
+    old = _member(FakeDHT(), signers[3])
+    rec = old.record(state="training", round=7, throughput_tps=1.0, bandwidth_bps=0.0)
+    rec.protocol, rec.view["version"] = PROTOCOL_VERSION - 1, "0.1.0"
+    net = Network(PeerConfig.model_validate({"swarm": {"run_id": RUN}}),
+                  lambda: PeerStatus("training", 0, 0.0, 0.0))
+    net.peer_id = "12D3KooWme"
+    same = _member(FakeDHT(), signers[4]).record(state="training", round=7, throughput_tps=1.0, bandwidth_bps=0.0)
+    same.protocol = PROTOCOL_VERSION
+    net._check_protocols({"12D3KooWsame": same, "12D3KooWme": rec}, starting=True)   # ours, and our own old record
+    with pytest.raises(StartupError, match=rf"mixed swarm: 1 peer\(s\) of run 'bucketrun' speak protocol "
+                                           rf"{PROTOCOL_VERSION - 1} \(e.g. {old.peer_id}, gasloc version 0.1.0\); "
+                                           rf"this peer .* speaks protocol {PROTOCOL_VERSION}.*one gasloc version"):
+        net._check_protocols({old.peer_id: rec}, starting=True)
+    net.protocol_seen = set()
+    with caplog.at_level(logging.ERROR):
+        net._check_protocols({old.peer_id: rec}, starting=False)
+        net._check_protocols({old.peer_id: rec}, starting=False)  # once per peer, not every listing
     assert sum("mixed swarm" in r.message for r in caplog.records) == 1
 
 

@@ -9,6 +9,7 @@ import pytest
 from gasloc.peer.swarm.forward import probe_addrs
 from gasloc.peer.swarm.membership import PeerRecord
 from gasloc.protocol.codes import Code
+from gasloc.protocol.messages import PROTOCOL_VERSION
 from gasloc.protocol.reach import (
     RelayRequest,
     probe_verdict,
@@ -52,7 +53,7 @@ def test_relay_request_caps_and_kinds():
     for bad in ({"kind": "probe", "addrs": [["10.0.0.1", 1]] * 9}, {"kind": "dial"}, {"kind": "forward",
                                                                                        "target": "x" * 129}):
         with pytest.raises(WireError) as e:
-            decode_header(json.dumps({"protocol_version": 1, **bad}).encode(), RelayRequest)
+            decode_header(json.dumps({"protocol_version": PROTOCOL_VERSION, **bad}).encode(), RelayRequest)
         assert e.value.code == Code.BAD_HEADER
 
 

@@ -14,7 +14,7 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
-from test_admission import RUN, FakeDHT, _admission, _announced, _network, _signer
+from test_admission import RUN, FakeDHT, _admission, _announced, _identity, _network, _signer
 
 from gasloc.peer.swarm.membership import Membership, _signed_get, make_validators
 from gasloc.peer.swarm.signed_hints import SignedRecords
@@ -70,8 +70,9 @@ def test_forged_foreign_expired_and_misplaced_handed_records_are_refused_and_nev
     # peer's genuine record handed with a hint of `hinted` is no record of `hinted`
     book.offered("liar", [other.inline])
     assert not book.has_offer(hinted.peer_id) and book.has_offer(other.peer_id)
-    # a subkey that holds no RSA key belongs to nobody
+    # a subkey that holds no owner key belongs to nobody
     assert book.offered("liar", [w.model_copy(update={"subkey": "[owner:nothing]"})]) == 0
+    assert book.offered("liar", [w.model_copy(update={"subkey": "[ed25519:nothing=]"})]) == 0
 
 
 def test_too_many_or_oversize_handed_records_make_the_reply_invalid():
@@ -95,7 +96,7 @@ def test_a_bucket_read_keeps_the_signatures_its_dht_node_checked(signers):
     CachedSignatureValidator when hivemind stripped them; what it returns is a record anyone can check."""
     member = _announced(FakeDHT(), signers[0])
     w = member.inline
-    signer, validators = make_validators(RUN, signers[1]._private_key)
+    signer, validators = make_validators(RUN, _identity(signers[1]))
     composite = CompositeValidator(validators)
     subkey = w.subkey.encode()
     record = DHTRecord(DHTID.generate(source=w.key).to_bytes(), MSGPackSerializer.dumps(subkey),

@@ -2,10 +2,11 @@
 a ready partner among N members, with bucketed records against the single key of the layout before them.
 
 Everything DHT-side is real and runs the peer's own code: `--dht-nodes` hivemind DHT processes (each with its
-p2pd) hold the records; N members' records, each signed with the member's own RSA-2048 key, are written through
-the peer's `Membership` (its store call into the keys `announce` writes, failed stores retried; one writer node
-signs for every member, `MultiSigner`, since a DHT node signs with the keys its validators hold); the searching peer runs its own DHT process with the peer's validators
-(`make_validators`) and reads through `BucketReader` (listing, find) or, for the old design, a get of the single
+p2pd) hold the records; N members' records, each signed with the member's own key (`--identity`: Ed25519, what a
+peer makes, or RSA-2048 as identity files made before 2026-12-04 hold), are written through the peer's `Membership`
+(its store call into the keys `announce` writes, failed stores retried; one writer node signs for every member,
+`MultiSigner`, since a DHT node signs with the keys its validators hold); the searching peer runs its own DHT
+process with the peer's validators (`make_validators`) and an identity of the same kind and reads through `BucketReader` (listing, find) or, for the old design, a get of the single
 key, parsed by `parse_listing` in both cases; peer exchange is the peer's `HintBook` / `merge_view` / `pick_hints`.
 
 What is modelled, not run: the members themselves. Each has a fixed record: "exchanging" (ready) for
@@ -102,21 +103,30 @@ def load_keys(path: Path, n: int) -> list:
     return keys
 
 
+def ed25519_identities(n: int, seed: int) -> list:
+    """n Ed25519 identities, the kind a peer makes (runtime/identity.py), from `seed` (no cache: 50 us each)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from gasloc.runtime.identity import Ed25519Identity
+    rng = random.Random(seed)
+    return [Ed25519Identity(Ed25519PrivateKey.from_private_bytes(rng.randbytes(32))) for _ in range(n)]
+
+
 def _multi_signer(signers):
-    from hivemind.dht.crypto import RSASignatureValidator
+    """A validator that signs each record with the key of the member whose public key its subkey holds (one writer
+    node stores for every member), of either kind; validates and strips like the validators every peer runs."""
+    from gasloc.peer.swarm.membership import CachedEd25519Validator, CachedSignatureValidator
 
-    class MultiSigner(RSASignatureValidator):
-        """Signs each record with the key of the member whose public key its subkey holds (one writer node
-        stores for every member); validates and strips like the validator every peer runs."""
+    base = CachedEd25519Validator if isinstance(signers[0], CachedEd25519Validator) else CachedSignatureValidator
 
+    class MultiSigner(base):
         def __init__(self, signers):
-            super().__init__(signers[0]._private_key)
+            self.__dict__.update(signers[0].__dict__)
             self.by_key = {s.local_public_key: s for s in signers}
 
         def sign_value(self, record):
-            for found in self._PUBLIC_KEY_RE.findall(record.subkey or b""):
-                s = self.by_key.get(self.PUBLIC_KEY_FORMAT.replace(b"_key_", found))
-                if s is not None:
+            for marker, s in self.by_key.items():
+                if marker in (record.subkey or b""):
                     return s.sign_value(record)
             return record.value
 
@@ -200,18 +210,20 @@ class Bench:
         self.workdir = Path(tempfile.mkdtemp(prefix="gasloc-scale-"))
 
     def start(self, run_ids: list[str], keys: list) -> None:
-        from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.p2p import P2P
-        from hivemind.utils.crypto import RSAPrivateKey
 
         from gasloc.peer.swarm.membership import (
             DHT_CACHE_NEAREST,
             BucketSchemaValidator,
-            CachedSignatureValidator,
             load_identity,
             make_validators,
         )
+        from gasloc.runtime.identity import write_identity_file
         from gasloc.runtime.safeproc import SafeDHT
+
+        def signature_checks():
+            """The signature validators a peer's DHT node runs (both kinds), with fresh keys of their own."""
+            return [v for v in make_validators(run_ids[0])[1] if not isinstance(v, BucketSchemaValidator)]
 
         schemas = [BucketSchemaValidator(r) for r in run_ids]
         local = ["/ip4/127.0.0.1/tcp/0"]
@@ -219,21 +231,27 @@ class Bench:
         for _ in range(self.o["dht_nodes"]):
             # the holders: other peers' DHT nodes, with the validators a peer runs
             d = SafeDHT(initial_peers=first, start=True, host_maddrs=local,
-                        record_validators=[CachedSignatureValidator(RSAPrivateKey()), *schemas])
+                        record_validators=[*signature_checks(), *schemas])
             first = first or [str(m) for m in d.get_visible_maddrs()]
             self.nodes.append(d)
         self.initial = first
-        self.member_signers = [RSASignatureValidator(k) for k in keys]
+        self.member_signers = [make_validators(run_ids[0], k)[0] for k in keys]
         # the writer signs for every member; client mode: it stores on the holders, holds nothing itself. It
         # stores thousands of records at once, so it never blacklists a holder: at 5,000 members its RPCs timed
         # out, it blacklisted every holder (5 s, doubling) and 2,309 of 15,000 stores then failed five times over
         # (a live peer stores only its own record). A store that times out is retried (populate)
         self.writer = SafeDHT(initial_peers=first, start=True, host_maddrs=local, client_mode=True,
                               blacklist_time=0,
-                              record_validators=[_multi_signer(self.member_signers), *schemas])
+                              # the multi-signer first: the checker of its own kind merges into it (and
+                              # would otherwise absorb it, signing nothing)
+                              record_validators=[_multi_signer(self.member_signers), *signature_checks(), *schemas])
         # the searching peer: its own libp2p identity, the validators a peer runs
         ident = self.workdir / "searcher.key"
-        P2P.generate_identity(str(ident))
+        # the identity a peer makes now (Ed25519), or with --identity rsa an RSA file as hivemind makes them
+        if self.o["identity"] == "ed25519":
+            write_identity_file(ident)
+        else:
+            P2P.generate_identity(str(ident))
         # exactly what a peer gives its DHT (make_validators), plus the other sizes' run ids
         self.searcher_signer, validators = make_validators(run_ids[0], load_identity(ident))
         self.searcher = SafeDHT(initial_peers=first, start=True, host_maddrs=local, client_mode=True,
@@ -544,7 +562,7 @@ class Bench:
                 "startup_bytes": startup_bytes,
                 "buckets": (1 << own.level) if design == "buckets" else 1,
                 "estimate": round(own.estimate.value) if design == "buckets" else None,
-                "ready_share": o["ready_share"], "populate_s": round(populate_s, 1),
+                "ready_share": o["ready_share"], "populate_s": round(populate_s, 1), "identity": o["identity"],
                 "records_visible_share": round(self.visible, 3), "stores_failed": self.store_failures,
                 "error": (f"{errors[0]} (one response of ~{whole_mib:.1f} MiB; p2pd's message limit is 4 MiB)"
                           if errors and design == "single-key" else (errors[0] if errors else None)),
@@ -590,8 +608,11 @@ def _table(rows: list[dict]) -> str:
 @click.option("--call-s", default=0.05, type=click.FloatRange(0.0), help="seconds one call's handshake takes")
 @click.option("--deadline-s", default=10.0, type=click.FloatRange(0.1), help="a search without a partner by then "
               "fails (swarm.partner_deadline_s)")
+@click.option("--identity", default="ed25519", type=click.Choice(["ed25519", "rsa"]),
+              help="the members' and the searcher's identity keys: Ed25519 (what a peer makes), or RSA-2048 (identity "
+                   "files made before 2026-12-04, and every run before)")
 @click.option("--keys", "keys_path", default="runs/scale-keys.bin", type=click.Path(dir_okay=False, path_type=Path),
-              help="cache of the members' RSA keys (made on first use)")
+              help="cache of the members' RSA keys (made on first use; --identity rsa)")
 @click.option("--callee-check", default="inline", type=click.Choice(["inline", "lookup"]),
               help="how a callee checks the searcher: its inline signed record (the live peer), or a DHT lookup of "
                    "it (peers before inline records)")
@@ -607,7 +628,7 @@ def _table(rows: list[dict]) -> str:
                    "as a private swarm's (TRUSTED_GET_BEAM, with its retry of an empty bucket)")
 @click.option("--seed", default=0, type=int)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="write {'rows': [...]}")
-def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline_s, keys_path, callee_check,
+def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline_s, identity, keys_path, callee_check,
          signed_hints, fresh_records, get_beam, seed, json_out):
     from gasloc.peer.swarm import membership
     try:
@@ -618,8 +639,8 @@ def main(members, searches, dht_nodes, ready_share, busy_share, call_s, deadline
         raise click.BadParameter("every size must be at least 2", param_hint="--members")
     o = dict(searches=searches, dht_nodes=dht_nodes, ready_share=ready_share, busy_share=busy_share, call_s=call_s,
              deadline_s=deadline_s, seed=seed, ttl_s=3600.0, callee_check=callee_check, signed_hints=signed_hints,
-             fresh_records=fresh_records, get_beam=get_beam or membership.GET_BEAM)
-    keys = load_keys(keys_path, max(sizes))
+             fresh_records=fresh_records, get_beam=get_beam or membership.GET_BEAM, identity=identity)
+    keys = ed25519_identities(max(sizes), seed) if identity == "ed25519" else load_keys(keys_path, max(sizes))
     # SIGTERM unwinds like Ctrl+C, through Bench.stop (without it the DHT processes died with us and left their
     # p2pd sockets and the bench's key directory behind): outside the event loop as KeyboardInterrupt, inside it
     # by cancelling the main task (_cancel_on_sigterm), so that every await unwinds. A KeyboardInterrupt raised

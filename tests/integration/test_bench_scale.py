@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "scale.py"
 FIELDS = {"design", "members", "dht_bytes_per_round", "cpu_ms_per_round", "partner_found_s_median",
           "partner_found_share", "searches", "listings_per_round", "startup_bytes", "buckets", "error",
           "finds_per_round", "hint_checks_per_round", "signed_hints", "dht_wire_in_per_round",
-          "dht_wire_out_per_round"}
+          "dht_wire_out_per_round", "identity"}
 
 
 @pytest.mark.timeout(420)
@@ -42,6 +42,7 @@ def test_quick_mode_rows_and_buckets_read_less_than_the_single_key(tmp_path):
                                                  "listings_per_round", "wide_retries")} for n in (10, 100)}
     assert by["buckets", 100]["buckets"] > 1 and by["buckets", 10]["buckets"] == 1, why
     assert by["buckets", 100]["signed_hints"] is True and by["single-key", 100]["signed_hints"] is None
+    assert {x["identity"] for x in rows} == {"ed25519"}      # what a peer makes
     assert "| design | members |" in r.stdout
 
 

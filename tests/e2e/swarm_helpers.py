@@ -57,10 +57,12 @@ def write_config(h: Harness, *, ttl_s: float = 6.0, deadline_s: float = 1.2, inn
     return path
 
 
-def start_peers(h: Harness, names: list[str], boot: list[str], config: Path, *extra: str) -> dict:
-    """Spawn all at once (their start-ups overlap), then wait for every READY line; name -> peer id."""
+def start_peers(h: Harness, names: list[str], boot: list[str], config: Path, *extra: str,
+                per_peer: dict[str, tuple] | None = None) -> dict:
+    """Spawn all at once (their start-ups overlap), then wait for every READY line; name -> peer id. `per_peer`:
+    further arguments of some peers."""
     children = {n: h.spawn(n, "peer", "--config", config, "--initial-peers", boot[0], "--host-maddrs", LOOPBACK,
-                           "--run-dir", h.dir(n), *extra) for n in names}
+                           "--run-dir", h.dir(n), *extra, *(per_peer or {}).get(n, ())) for n in names}
     return {n: h.wait_ready(c, 150)["peer_id"] for n, c in children.items()}
 
 

@@ -1,7 +1,7 @@
 """Ed25519 peer identities, and the DHT record signatures made with them.
 
 Why: a membership record signed with an RSA-2048 identity is about 1,040 bytes, of which 391 are the owner key in
-its subkey and 356 the signature; with Ed25519 the key is 32 bytes and the signature 64, and an entry is about 450
+its subkey and 356 the signature; with Ed25519 the key is 32 bytes and the signature 64, and an entry is about 460
 bytes. Every bucket a listing reads is that many entries, and an open swarm's get takes three copies of it
 (docs/membership.md). So new identities are Ed25519; RSA identity files made before still work.
 

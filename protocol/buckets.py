@@ -15,7 +15,8 @@ peer ids evenly); `SizeEstimate` keeps the median of the last few such samples.
 
 Peer exchange. Every exchange and state request and reply carries up to MAX_HINTS recently seen live peers
 (`PeerHint`: id, state, round - the sender's claim). A `HintBook` keeps what we heard, ages it out after
-HINT_TTL_S and picks what we tell others: ready peers first, then the most recently heard. A hint only makes us
+HINT_TTL_S and picks what we tell others (`pick_hints`: our listed records and the peers we met ourselves, ready
+ones first; never a hint we were told, which would come back to us as fresh). A hint only makes us
 call a peer: every exchange authenticates its caller by transport identity, and a responder checks the caller's
 own record in the DHT before reading anything.
 """
@@ -159,6 +160,11 @@ class HintBook:
         self._expire(now)
         return {pid: h.hint for pid, h in self._heard.items()}
 
+    def firsthand(self, now: float) -> dict[str, PeerHint]:
+        """The peers we met ourselves (`saw`) within HINT_TTL_S: the only hints we pass on (pick_hints)."""
+        self._expire(now)
+        return {pid: h.hint for pid, h in self._heard.items() if h.source == pid}
+
     def ready(self, now: float) -> set[str]:
         """Peers heard of as ready (state exchanging) within READY_HINT_S."""
         return {pid for pid, h in self._heard.items() if h.hint.state == "exchanging" and now - h.at <= READY_HINT_S}
@@ -175,11 +181,17 @@ class HintBook:
 def pick_hints(records: dict[str, tuple[str, int]], book: HintBook, now: float, *, exclude: Iterable[str] = (),
                rng: random.Random | None = None, n: int = MAX_HINTS) -> list[PeerHint]:
     """What we tell a peer: up to `n` live peers, ready ones first (they are what a searcher needs), from our
-    listed records (`records`: peer id -> (state, round)) and then from what others told us, minus `exclude`
-    (the peer we tell, and us). Random among equals, so a swarm's hints do not all name the same few peers."""
+    listed records (`records`: peer id -> (state, round)) and the peers we met ourselves, minus `exclude` (the peer
+    we tell, and us). Random among equals, so a swarm's hints do not all name the same few peers.
+
+    Never what others told us: a hint carries no age, so the receiver dates it `now`, and two peers that exchange
+    every round would pass a departed peer back and forth as fresh for ever (measured: after a third peer of a
+    3-peer swarm finished, the other two kept it in sight for the 23 s they ran on and passed each other over as
+    recent partners for half of every round, waiting for it). Passed on first-hand only, a departed peer leaves
+    our sight HINT_TTL_S after the last peer that met it, or held its record, told us of it."""
     rng = rng or random.Random()
     exclude = set(exclude)
-    merged: dict[str, PeerHint] = {pid: h for pid, h in book.live(now).items() if pid not in exclude}
+    merged: dict[str, PeerHint] = {pid: h for pid, h in book.firsthand(now).items() if pid not in exclude}
     for pid, (state, rnd) in records.items():
         if pid not in exclude:
             merged[pid] = PeerHint(pid, state, rnd)   # a record read from the DHT beats a second-hand hint

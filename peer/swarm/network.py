@@ -485,6 +485,8 @@ class Network:
         """Merge records just read into what we know, and drop what expired. A DHT that did not answer (None)
         leaves what we know, minus what expired: an empty view would make every partner a stranger."""
         gone = self.membership.withdrawn   # peers whose withdrawal (None) a read just saw
+        for pid in gone:
+            self.hints.forget(pid)         # a hint about it predates its withdrawal
         known = self.membership.prune({p: r for p, r in {**self.records, **(found or {})}.items() if p not in gone})
         self.records = known
         self.live = self.membership.compatible(known)
@@ -670,6 +672,7 @@ class Network:
             self._not_members.pop(pid, None)
             return True
         self._not_members[pid] = now
+        self.hints.forget(pid)   # whoever told us of it is out of date: it is no longer a candidate
         if len(self._not_members) > 1024:
             self._not_members = {p: t for p, t in self._not_members.items() if now - t < NOT_MEMBER_CACHE_S}
         return False

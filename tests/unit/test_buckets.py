@@ -107,14 +107,36 @@ def test_hint_book_ages_out_ignores_self_and_source_and_is_bounded():
 
 def test_hints_name_ready_peers_first_and_never_the_receiver():
     book = HintBook("me")
-    book.heard("x", [PeerHint("h-ready", "exchanging", 4), PeerHint("h-train", "training", 4)], now=0.0)
+    book.saw("h-ready", "exchanging", 4, now=0.0)
+    book.saw("h-train", "training", 4, now=0.0)
     records = {f"r{i}": ("training", 1) for i in range(20)} | {"r-ready": ("exchanging", 2), "to": ("exchanging", 2)}
     hints = pick_hints(records, book, 1.0, exclude=("to", "me"), rng=random.Random(0))
     assert len(hints) == MAX_HINTS and {h.peer_id for h in hints[:2]} == {"h-ready", "r-ready"}
     assert all(h.peer_id not in ("to", "me") for h in hints)
-    # a listed record beats a second-hand hint about the same peer
-    book.heard("x", [PeerHint("r0", "exchanging", 9)], now=1.0)
+    # a listed record beats what we saw of the same peer earlier
+    book.saw("r0", "exchanging", 9, now=1.0)
     assert [h for h in pick_hints({"r0": ("training", 1)}, book, 1.0) if h.peer_id == "r0"][0].state == "training"
+
+
+def test_a_hint_we_were_told_is_used_but_not_passed_on():
+    book = HintBook("me")
+    book.heard("x", [PeerHint("told", "exchanging", 4)], now=0.0)
+    assert "told" in book.live(1.0) and book.ready(1.0) == {"told"}   # our own search may call it
+    assert pick_hints({}, book, 1.0) == []
+
+
+def test_two_peers_that_exchange_every_round_forget_a_departed_third():
+    # a and b exchange headers every 2 s, each telling the other what it knows; c met a once, at t=0, and left.
+    # Were told hints passed on, each would date c `now` on every exchange and keep it in sight for ever.
+    a, b = HintBook("a"), HintBook("b")
+    a.saw("c", "exchanging", 3, now=0.0)
+    in_sight = []
+    for step in range(40):
+        now = 2.0 * step
+        b.heard("a", pick_hints({"b": ("exchanging", step)}, a, now, exclude=("b", "a")), now)
+        a.heard("b", pick_hints({"a": ("exchanging", step)}, b, now, exclude=("a", "b")), now)
+        in_sight.append("c" in a.live(now) or "c" in b.live(now))
+    assert in_sight[0] and not any(in_sight[int(2 * HINT_TTL_S / 2.0) + 1:])
 
 
 def test_merge_view_adds_hinted_peers_and_their_readiness():

@@ -98,6 +98,7 @@ class Verdict:
     scale: float = 1.0
     code: Code | None = None
     reason: str = ""
+    by_check: bool = False    # rejected only by the batch check: near (within reject_factor x tau) and worse there
 
     @property
     def clipped(self) -> bool:
@@ -144,7 +145,8 @@ class DistanceHistory:
         bound = own_loss * (1 + self.cfg.val_margin)
         if not math.isfinite(partner_loss) or partner_loss > bound:
             return Verdict("reject", v.distance, v.tau, 0.0, Code.DISTRUSTED,
-                           f"partner's loss {partner_loss:.4g} on a local batch > {bound:.4g}")
+                           f"partner's loss {partner_loss:.4g} on a local batch > {bound:.4g}",
+                           by_check=math.isfinite(partner_loss))
         return Verdict("clip", v.distance, v.tau, v.scale, reason="checked on a local batch")
 
     def record(self, v: Verdict) -> None:
@@ -245,8 +247,16 @@ class TrustBook:
     def penalize(self, peer: str, v: Verdict, now: float) -> float:
         """Lower a clipped or rejected partner's trust; returns its new score. Clips alone never take a peer below
         busy_below: a clipped partner passed the check on our batch (often an honest one a little far, early on), so
-        it is picked less often but not shut out; only a rejection makes a peer BUSY."""
-        penalty = {"clip": self.cfg.clip_penalty, "reject": self.cfg.reject_penalty}.get(v.action, 0.0)
+        it is picked less often but not shut out; only a rejection makes a peer BUSY. A rejection by the batch check
+        alone (near, finite, worse on one batch) costs what a clip costs, without the floor: the second in a row
+        makes the peer BUSY, not the first. Honest peers fail that check early in training, when one round moves
+        the loss by more than val_margin and an overlapped search pairs offers a round apart (bench/utilization.py:
+        4 honest rejections in rounds 4-6 of 6 swarms); made BUSY at once, the rejected peer of a 3-peer swarm was
+        turned away by one of the other two for about 30 s, and both waited out half of their rounds."""
+        if v.action == "reject" and v.by_check:
+            penalty = self.cfg.clip_penalty
+        else:
+            penalty = {"clip": self.cfg.clip_penalty, "reject": self.cfg.reject_penalty}.get(v.action, 0.0)
         trust = self.score(peer, now)
         if penalty:
             lowered = trust * (1.0 - penalty)

@@ -56,8 +56,9 @@ def test_verdicts_accept_check_clip_reject_by_hand():
     assert v.action == "check" and v.scale == pytest.approx(0.5)
     assert h.after_check(v, own_loss=2.0, partner_loss=2.1).action == "clip"  # within 10% of ours
     bad = h.after_check(v, own_loss=2.0, partner_loss=2.3)
-    assert bad.rejected and bad.code is Code.DISTRUSTED and bad.scale == 0.0
-    assert h.after_check(v, own_loss=2.0, partner_loss=math.nan).rejected
+    assert bad.rejected and bad.code is Code.DISTRUSTED and bad.scale == 0.0 and bad.by_check
+    broken = h.after_check(v, own_loss=2.0, partner_loss=math.nan)
+    assert broken.rejected and not broken.by_check
     far = h.judge(1.3)
     assert far.rejected and far.code is Code.DISTRUSTED
     assert h.judge(math.inf).code is Code.NOT_FINITE
@@ -238,3 +239,14 @@ def test_clips_alone_never_make_a_peer_busy_a_rejection_does():
     assert scores == pytest.approx([0.7, 0.5, 0.5, 0.5]) and not t.distrusted("h", 0.0)
     assert t.penalize("h", Verdict("reject", 5, 0.3, 0.0), 0.0) == pytest.approx(0.2) and t.distrusted("h", 0.0)
     assert t.penalize("h", clip, 0.0) == pytest.approx(0.2)  # already below: a clip does not lift it either
+
+
+def test_a_rejection_by_the_batch_check_alone_makes_a_peer_busy_the_second_time():
+    cfg = GuardConfig(clip_penalty=0.3, reject_penalty=0.6, trust_half_life_s=1e9, busy_below=0.5)
+    h, t = history(0.1, 0.1, 0.1), TrustBook(cfg)                  # tau 0.3: 0.6 is near, checked
+    worse = h.after_check(h.judge(0.6), own_loss=2.0, partner_loss=2.3)
+    assert worse.rejected and t.penalize("h", worse, 0.0) == pytest.approx(0.7) and not t.distrusted("h", 0.0)
+    assert t.penalize("h", worse, 0.0) == pytest.approx(0.49) and t.distrusted("h", 0.0)
+    # far (by distance) or broken (a loss that is not finite): BUSY at once, as before
+    for v in (h.judge(1.3), h.after_check(h.judge(0.6), own_loss=2.0, partner_loss=math.inf)):
+        assert TrustBook(cfg).penalize("x", v, 0.0) == pytest.approx(0.4)

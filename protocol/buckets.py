@@ -194,7 +194,8 @@ def pick_hints(records: dict[str, tuple[str, int]], book: HintBook, now: float, 
     merged: dict[str, PeerHint] = {pid: h for pid, h in book.firsthand(now).items() if pid not in exclude}
     for pid, (state, rnd) in records.items():
         if pid not in exclude:
-            merged[pid] = PeerHint(pid, state, rnd)   # a record read from the DHT beats a second-hand hint
+            merged[pid] = PeerHint(pid, state, rnd)   # a listed record wins over a sighting: the receiver gets
+            #                                           the signed record it can check (members_for) with the hint
     ready = [h for h in merged.values() if h.state == "exchanging"]
     rest = [h for h in merged.values() if h.state != "exchanging"]
     rng.shuffle(ready)

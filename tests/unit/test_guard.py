@@ -241,12 +241,16 @@ def test_clips_alone_never_make_a_peer_busy_a_rejection_does():
     assert t.penalize("h", clip, 0.0) == pytest.approx(0.2)  # already below: a clip does not lift it either
 
 
-def test_a_rejection_by_the_batch_check_alone_makes_a_peer_busy_the_second_time():
-    cfg = GuardConfig(clip_penalty=0.3, reject_penalty=0.6, trust_half_life_s=1e9, busy_below=0.5)
+def test_a_rejection_by_the_batch_check_alone_makes_a_peer_busy_only_when_repeated():
+    cfg = GuardConfig(clip_penalty=0.3, reject_penalty=0.6, trust_half_life_s=120.0, busy_below=0.5)
     h, t = history(0.1, 0.1, 0.1), TrustBook(cfg)                  # tau 0.3: 0.6 is near, checked
     worse = h.after_check(h.judge(0.6), own_loss=2.0, partner_loss=2.3)
     assert worse.rejected and t.penalize("h", worse, 0.0) == pytest.approx(0.7) and not t.distrusted("h", 0.0)
-    assert t.penalize("h", worse, 0.0) == pytest.approx(0.49) and t.distrusted("h", 0.0)
+    assert t.penalize("h", worse, 5.0) < 0.5 and t.distrusted("h", 5.0)           # again 5 s later: BUSY
+    late = TrustBook(cfg)
+    late.penalize("h", worse, 0.0)
+    assert late.penalize("h", worse, 60.0) >= 0.5                                 # a minute later: not yet
+    assert late.penalize("h", worse, 120.0) < 0.5                                 # a third, a minute after that
     # far (by distance) or broken (a loss that is not finite): BUSY at once, as before
     for v in (h.judge(1.3), h.after_check(h.judge(0.6), own_loss=2.0, partner_loss=math.inf)):
         assert TrustBook(cfg).penalize("x", v, 0.0) == pytest.approx(0.4)

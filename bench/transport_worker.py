@@ -56,16 +56,19 @@ def digest(ts: list[torch.Tensor]) -> list[tuple[float, torch.Tensor]]:
 
 def check(got, want_digest, wire: str, exact: bool = True) -> str:
     """"ok" when `got` matches the digest: bit-exact for a float32 transfer, within 16-bit rounding otherwise, and
-    within float32 rounding for the averager's float32 mean (`exact=False`)."""
+    within float32 rounding for the averager's float32 mean (`exact=False`). Else "MISMATCH" with what differs, so
+    a rare failure says whether the values are off a little or not averaged at all."""
     tol = 2e-3 if wire != "float32" else (0.0 if exact else 1e-6)
-    for t, (total, head) in zip(got, want_digest):
+    for i, (t, (total, head)) in enumerate(zip(got, want_digest)):
         h = t.reshape(-1)[:SAMPLE].float()
         total_got = float(t.double().sum())
-        if tol == 0.0 and not (torch.equal(h, head) and total_got == total):
-            return "MISMATCH"
-        if not (torch.allclose(h, head, rtol=tol, atol=tol)
-                and abs(total_got - total) <= tol * (t.numel() ** 0.5 + abs(total))):
-            return "MISMATCH"
+        same = (torch.equal(h, head) and total_got == total if tol == 0.0 else
+                torch.allclose(h, head, rtol=tol, atol=tol)
+                and abs(total_got - total) <= tol * (t.numel() ** 0.5 + abs(total)))
+        if not same:
+            off = (h - head).abs() > tol * (1 + head.abs())
+            return (f"MISMATCH tensor {i} of {len(want_digest)}: {int(off.sum())} of the first {len(h)} values off "
+                    f"(max |diff| {float((h - head).abs().max()):.3g}), sum {total_got:.6g} against {total:.6g}")
     return "ok"
 
 

@@ -4,13 +4,13 @@ peer/swarm/network.py. The real DHT: tests/integration/test_bench_scale.py and t
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
+import sys
 import time
+from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from gasloc.peer.config import PeerConfig
@@ -29,8 +29,10 @@ from gasloc.peer.swarm.membership import (
 from gasloc.peer.swarm.network import Network, PeerStatus
 from gasloc.protocol.buckets import BUCKET_TARGET, MAX_LEVEL, bucket_of, level_for
 from gasloc.protocol.messages import PROTOCOL_VERSION
-from gasloc.runtime.identity import Ed25519Identity
 from gasloc.runtime.lifecycle import StartupError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from scale import ed25519_identities  # noqa: E402  (the bench's seeded identities)
 
 RUN = "bucketrun"
 
@@ -56,16 +58,14 @@ class FakeDHT:
         return ValueWithExpiration(entries, now + 60) if entries else None
 
 
-def _signer(i: int) -> Ed25519SignatureValidator:
-    # keys from fixed seeds: the tests below count records per bucket, and where peer ids fall decides those counts.
-    # With fresh random keys a level estimate from one probe fell outside its asserted range once in a full unit run
-    seed = hashlib.sha256(f"gasloc-bucket-test-{i}".encode()).digest()
-    return Ed25519SignatureValidator(Ed25519Identity(Ed25519PrivateKey.from_private_bytes(seed)))
+# keys from a fixed seed: the tests below count records per bucket, and where peer ids fall decides those counts
+# (with fresh random keys one of them failed once in a full unit run); the 161st is an extra writer
+SIGNERS = [Ed25519SignatureValidator(i) for i in ed25519_identities(161, seed=1)]
 
 
 @pytest.fixture(scope="module")
 def signers():
-    return [_signer(i) for i in range(160)]
+    return SIGNERS[:160]
 
 
 def _member(dht, signer, level=0, **kw) -> Membership:
@@ -128,7 +128,7 @@ def test_a_reader_finds_the_level_estimates_the_size_and_reads_a_bucket_not_the_
         assert asyncio.run(reader.find(m.peer_id)).peer_id == m.peer_id
     assert reader.gets - gets == 20
     # a writer one level lower than the reader is found too (the level below is the second place to look)
-    low = _member(dht, _signer(1000), level=level - 1)
+    low = _member(dht, SIGNERS[160], level=level - 1)
     assert _announce(low)
     assert asyncio.run(reader.find(low.peer_id)).peer_id == low.peer_id
     assert asyncio.run(reader.find("12D3KooWnobody")) is None

@@ -66,9 +66,10 @@ def check(got, want_digest, wire: str, exact: bool = True) -> str:
                 torch.allclose(h, head, rtol=tol, atol=tol)
                 and abs(total_got - total) <= tol * (t.numel() ** 0.5 + abs(total)))
         if not same:
-            off = (h - head).abs() > tol * (1 + head.abs())
-            return (f"MISMATCH tensor {i} of {len(want_digest)}: {int(off.sum())} of the first {len(h)} values off "
-                    f"(max |diff| {float((h - head).abs().max()):.3g}), sum {total_got:.6g} against {total:.6g}")
+            diff = (h - head).abs()
+            off = int((diff > tol * (1 + head.abs())).sum())
+            return (f"MISMATCH tensor {i} of {len(want_digest)}: {off} of the first {len(h)} values off "
+                    f"(max |diff| {float(diff.max()):.3g}), sum {total_got:.6g} against {total:.6g}")
     return "ok"
 
 

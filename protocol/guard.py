@@ -250,10 +250,11 @@ class TrustBook:
         it is picked less often but not shut out; only a rejection makes a peer BUSY. A rejection by the batch check
         alone (near, finite, worse on one batch) costs what a clip costs, without the floor: it makes a peer BUSY
         only when repeated faster than trust recovers (with the defaults two within 8 s, or three each at most ~70 s
-        after the last: a partner that fails every time we meet it), never the first. Honest peers fail that check early in training, when one round moves
-        the loss by more than val_margin and an overlapped search pairs offers a round apart (bench/utilization.py:
-        4 honest rejections in rounds 4-6 of 6 swarms); made BUSY at once, the rejected peer of a 3-peer swarm was
-        turned away by one of the other two for about 30 s, and both waited out half of their rounds."""
+        after the last: a partner that fails every time we meet it), never the first. Honest peers fail that check
+        early in training, when one round moves the loss by more than val_margin and an overlapped search pairs
+        offers a round apart (bench/utilization.py: 4 honest rejections in rounds 4-6 of 6 swarms); made BUSY at
+        once, the rejected peer of a 3-peer swarm was turned away by one of the other two for about 30 s, and both
+        waited out half of their rounds."""
         if v.action == "reject" and v.by_check:
             penalty = self.cfg.clip_penalty
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import logging
+import secrets
 from functools import lru_cache, partial
 from importlib import resources
 from typing import Literal
@@ -21,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gasloc.peer.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
 
-__all__ = ["DataConfig", "ByteTokenizer", "HFTokenizer", "TokenData", "build_data", "evaluate", "embedded_tokens"]
+__all__ = ["DataConfig", "ByteTokenizer", "HFTokenizer", "TokenData", "build_data", "evaluate", "embedded_tokens",
+           "private_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +246,25 @@ def build_data(cfg: DataConfig, seq_len: int, worker_seed: int | str = 0):
     else:
         tokens = tokens_from_shards(cfg, tok)
     return TokenData(tokens, cfg, seq_len, worker_seed, vocab_size=tok.vocab_size), tok
+
+
+def private_batches(data, n: int) -> list[torch.Tensor]:
+    """`n` batches that only this peer knows, for judging another peer's model (a donor's state, a partner's
+    offer). The validation batches are the same for every peer (`val_batches`), so a hostile peer can tune a state
+    to pass a check made on them; these are windows of our own training data at offsets drawn from the OS's
+    randomness, new at every call, so nobody can know them in advance (nor can we: no seed is kept).
+
+    A token array (embedded, files, tokens): random windows of our training blocks (a stream of its own; our
+    training position does not move). A streamed dataset (hf) cannot be sampled at random: the next `n` batches of
+    our own shard's stream, which training then skips (a few batches per check)."""
+    if n <= 0:
+        return []
+    train = getattr(data, "train", None)
+    if isinstance(train, WindowSampler):
+        sampler = WindowSampler(train.tokens, train.blocks, train.seq_len, train.batch_size,
+                                seed=secrets.randbits(63), stream="private-check", vocab_size=train.vocab_size)
+        return [sampler.next_batch() for _ in range(n)]
+    return [data.next_batch() for _ in range(n)]
 
 
 @torch.no_grad()

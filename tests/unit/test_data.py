@@ -188,3 +188,25 @@ def test_evaluate_accepts_an_autocast_context():
 
 def test_tokenizer_spec_bytes():
     assert isinstance(load_tokenizer("bytes"), ByteTokenizer)
+
+
+def test_private_batches_are_unpredictable_and_leave_the_training_position():
+    """A donor's state or a partner's offer is checked on batches nobody else can know (issue 29: the shared
+    validation batch let a state be tuned to pass): every call draws new windows, none is a validation batch,
+    and the training stream's position does not move."""
+    from gasloc.peer.train.data import private_batches
+
+    data, _ = build_data(DataConfig(batch_size=4), SEQ)
+    before = data.state_dict()
+    a, b = private_batches(data, 2), private_batches(data, 2)
+    assert data.state_dict() == before
+    assert len(a) == 2 and a[0].shape == (4, SEQ + 1) and a[0].dtype == torch.int64
+    assert not torch.equal(a[0], b[0])                      # not the same windows on every call
+    val = data.val_batches()
+    assert all(not torch.equal(x, v) for x in a + b for v in val)
+    # windows of our training tokens (not the held-out tail)
+    train = torch.from_numpy(np.asarray(data.train_tokens).astype(np.int64))
+    row = a[0][0]
+    hits = (train.unfold(0, SEQ + 1, 1) == row).all(dim=1)
+    assert bool(hits.any())
+    assert private_batches(data, 0) == []

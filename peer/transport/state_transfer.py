@@ -37,6 +37,7 @@ from gasloc.peer.transport.tensor_io import byte_view, in_thread, is_finite, tor
 from gasloc.protocol.auth import PROOF_HEX_CHARS, STATE_ANSWER, STATE_CALL, proof_ok, stream_proof
 from gasloc.protocol.buckets import WIDEST_HINTS, PeerHint, from_wire, wire_hints
 from gasloc.protocol.codes import Code
+from gasloc.protocol.donors import check_metadata
 from gasloc.protocol.messages import (
     PROTOCOL_VERSION,
     StateReply,
@@ -254,6 +255,11 @@ async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorS
                 raise WireError(code, why)
             if not proof_ok(swarm_key, reply.auth, STATE_ANSWER, me, them):
                 raise WireError(Code.NOT_AUTHORIZED, "donor did not prove the swarm key")
+            # the metadata is the donor's claim: checked before a byte of payload is read (protocol/donors.py)
+            code, why = check_metadata(reply.metadata, reply_round=reply.round, num_outer=reply.num_outer,
+                                       donor=them)
+            if code != Code.OK:
+                raise WireError(code, why)
             # buffers sized from the validated specs, which equal ours: bounded by our own state size
             tensors = [torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for s in reply.specs]
             for t in tensors:
@@ -267,9 +273,8 @@ async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorS
             await ch.write(bytes([verdict]))
             if verdict != Code.OK:
                 raise WireError(verdict, why)
-            metadata = dict(reply.metadata)
-            metadata.setdefault("round", reply.round)
-            metadata["num_outer"] = reply.num_outer
+            # what the header says, checked against the metadata above; the donor is whom the stream came from
+            metadata = {**reply.metadata, "round": reply.round, "num_outer": reply.num_outer, "peer_id": them}
             return metadata, tensors
     finally:
         if ch is not None:
@@ -330,6 +335,11 @@ async def _try_donors(p2p: P2P, donors: Sequence[PeerID], namespace: str, want: 
                 busy.append(donor)
             else:
                 failures.append(f"{donor}: {code} ({detail})")
+            continue
+        except Exception as e:  # noqa: BLE001 - whatever a hostile donor's bytes provoke ends that download only
+            detail = f"{type(e).__name__}: {e}"
+            log.warning("state_download donor=%s outcome=INTERNAL detail=%r", donor, detail)
+            failures.append(f"{donor}: INTERNAL ({detail})")
             continue
         log.info("state_download donor=%s outcome=ok round=%s seconds=%.2f",
                  donor, metadata.get('round'), time.monotonic() - t0)

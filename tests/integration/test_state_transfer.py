@@ -1,5 +1,6 @@
 """Joining mid-run: state download from donors over real p2pd daemons, with dying and lying donors."""
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -152,4 +153,54 @@ def test_a_donor_without_a_snapshot_answers_busy_and_the_joiner_asks_again():
             assert meta["round"] == 4 and all(torch.equal(x, y) for x, y in zip(got, params))
             assert len(asked) == 2 and asked[1] - asked[0] >= 0.4  # asked again after the BUSY pause
             await s.stop()
+    arun(main())
+
+
+@pytest.mark.timeout(90)
+def test_a_donor_lying_in_its_metadata_is_a_status_code_and_the_next_donor_serves():
+    """Issue 29: a donor's metadata is a claim. A round of "soon" (the joiner raised ValueError and the peer
+    exited), -7, a float, a round contradicting the header, another peer's id: each is a code for that donor, and
+    the joiner goes on to the next. The donor's id the joiner reports is the stream's, never the metadata's."""
+    async def main():
+        async with p2p_nodes(3) as (liar, good, joiner):
+            params = state(6)
+            specs = tuple(TensorSpec.of(t.shape, t.dtype) for t in params)
+            digest = __import__("hashlib").sha256(b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                                                           for t in params)).hexdigest()
+            lies = [({"round": "soon"}, 3, "BAD_HEADER"), ({"round": -7}, 3, "BAD_HEADER"),
+                    ({"round": 3.0}, 3, "BAD_HEADER"), ({"round": 10**9}, 3, "BAD_HEADER"),
+                    ({"num_outer": "x"}, 3, "BAD_HEADER"), ({"round": True}, 1, "BAD_HEADER"),
+                    ({"peer_id": good.peer_id.to_base58()}, 3, "DISTRUSTED"), ({"peer_id": None}, 3, "DISTRUSTED")]
+            queue = list(lies)
+
+            async def lying_donor(info, reader, writer):
+                ch = Channel.take_over(reader, writer)
+                await read_header(ch, StateRequest)
+                meta, rnd, _ = queue.pop(0)
+                await ch.write(encode_header(StateReply(protocol_version=PROTOCOL_VERSION, code=0, fingerprint=FP,
+                                                        round=rnd, metadata=meta, specs=specs,
+                                                        total_bytes=payload_bytes(specs), sha256=digest)))
+                for t in params:
+                    await ch.write(t.reshape(-1).view(torch.uint8).numpy())
+                with contextlib.suppress(Exception):
+                    await ch.readexactly(1)
+                ch.close()
+
+            await liar.add_binary_stream_handler(handler_name(NS), lying_donor)
+            s = server(good, params, {"round": 12, "peer_id": liar.peer_id.to_base58(), "run": "r1"})
+            for _, _, code in lies:
+                with pytest.raises(StateDownloadError, match=code):
+                    await download_state(joiner, [liar.peer_id], SPECS, FP, CFG, NS)
+            # the good donor's own metadata names another peer: refused too
+            await s.start()
+            with pytest.raises(StateDownloadError, match="DISTRUSTED"):
+                await download_state(joiner, [good.peer_id], SPECS, FP, CFG, NS)
+            await s.stop()
+            honest = server(good, params, {"round": 12, "run": "r1"})     # no peer_id: the stream says who
+            await honest.start()
+            queue.append(({"round": "soon"}, 3, ""))
+            meta, got = await download_state(joiner, [liar.peer_id, good.peer_id], SPECS, FP, CFG, NS)
+            assert meta["peer_id"] == good.peer_id.to_base58() and meta["round"] == 12
+            assert all(torch.equal(x, y) for x, y in zip(got, params))
+            await honest.stop()
     arun(main())

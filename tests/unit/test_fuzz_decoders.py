@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gasloc.protocol.auth import EXCHANGE_CALL, SwarmKeyError, parse_swarm_key, proof_ok, stream_proof
+from gasloc.protocol.claims import RoundClaims
 from gasloc.protocol.codes import Code
+from gasloc.protocol.donors import adopted_round, check_metadata
 from gasloc.protocol.messages import (
     PROTOCOL_VERSION,
     ExchangeReply,
@@ -172,6 +174,74 @@ def test_stream_proofs(rng):
     assert proof_ok(KEY, good, EXCHANGE_CALL, "A", "B")
     assert not proof_ok(KEY, good, EXCHANGE_CALL, "B", "A")       # bound to the direction and both ids
     _count("proof_ok", len(proofs))
+
+
+HOSTILE_ROUNDS = ["soon", -7, 10**9, 2**63, -(2**70), 3.0, True, None, [], {}, "3", float("nan"), 3]
+
+
+def hostile_metadata(rng: random.Random) -> object:
+    """A donor's metadata as a liar writes it: hostile values under the keys the joiner reads, keys missing or
+    added, or no object at all."""
+    if rng.random() < 0.05:
+        return _json_value(rng)
+    meta = {}
+    for key in ("round", "num_outer", "peer_id"):
+        if rng.random() < 0.7:
+            meta[key] = rng.choice([*HOSTILE_ROUNDS, "QmDonor", "QmSomeoneElse", _json_value(rng)])
+    for _ in range(rng.randrange(3)):
+        meta[rng.choice(["x", "run", "z_prev", "\u00e9", "round "])] = _json_value(rng)
+    return meta
+
+
+@FAST
+@given(RANDOMS)
+def test_state_reply_metadata(rng):
+    """Issue 29: the state reply's metadata is the donor's claim. Whatever it holds, the joiner's checks give a
+    Code, and what passes gives the joiner an int round >= 0 that the header declared, and the stream's peer id."""
+    base = json.loads(VALID[StateReply].model_dump_json())
+    frames = []
+    for _ in range(BATCH):
+        body = dict(base, metadata=hostile_metadata(rng), round=rng.choice([0, 3, 7, 10**9, -7, "soon", 3.5]),
+                    num_outer=rng.choice([0, 0, 1, -1, "x"]))
+        frames.append(json.dumps(body).encode())
+    for raw in frames:
+        try:
+            reply = decode_header(raw, StateReply)
+        except WireError as e:
+            assert e.code in (Code.BAD_HEADER, Code.BAD_VERSION)
+            continue
+        code, _ = check_state_reply(reply, expected_specs=SPECS, outer_specs=None, fingerprint=FP,
+                                    max_bytes=1 << 20)
+        assert isinstance(code, Code)
+        code, why = check_metadata(reply.metadata, reply_round=reply.round, num_outer=reply.num_outer,
+                                   donor="QmDonor")
+        assert isinstance(code, Code) and (code == Code.OK) == (why == "")
+        if code == Code.OK:
+            meta = reply.metadata
+            assert type(reply.round) is int and reply.round >= 0
+            assert meta.get("round", reply.round) == reply.round and meta.get("peer_id", "QmDonor") == "QmDonor"
+            r = adopted_round([reply.round], rng.choice([None, 0, 5, 10**6]))
+            assert type(r) is int and r >= 0
+    _count("state reply metadata", len(frames))
+
+
+@FAST
+@given(RANDOMS)
+def test_round_claims(rng):
+    """Round claims of every size, in any order: what we believe is an int >= 0, never above the claim, and a
+    first sighting is never believed past the median of what we already believe plus the slack."""
+    claims = RoundClaims(slack=3, speedup=4.0)
+    own = 0
+    n = 0
+    for _ in range(BATCH // 10):
+        listing = {f"p{rng.randrange(12)}": rng.choice([0, 1, rng.randrange(50), 10**9, 2**63])
+                   for _ in range(rng.randrange(1, 8))}
+        claims.observe(listing, own if rng.random() < 0.5 else None)
+        for p, r in claims.believed(listing, own).items():
+            assert type(r) is int and 0 <= r <= listing[p]
+            n += 1
+        own += rng.randrange(3)
+    assert n > 0
 
 
 def test_every_decoder_saw_ten_thousand_frames():

@@ -78,20 +78,32 @@ def decay_factor(position: int, cfg: InnerConfig) -> float:
 def inner_step(model: LlamaLM, opt: torch.optim.Optimizer, batch: torch.Tensor, step: int, cfg: InnerConfig,
                autocast: contextlib.AbstractContextManager | None = None, position: int | None = None) -> float:
     """One AdamW step on one batch; returns the training loss. `step` is the worker's total inner-step count,
-    `position` where the run is (lr_at)."""
+    `position` where the run is (lr_at). Reads the loss back to the host: the simulator's step; the live peer's
+    phase uses `inner_step_on_device` and reads every few steps."""
+    value = float(inner_step_on_device(model, opt, batch, step, cfg, autocast, position))
+    if not math.isfinite(value):
+        raise FloatingPointError(f"training loss became {value} at inner step {step}: lower inner.lr")
+    return value
+
+
+def inner_step_on_device(model: LlamaLM, opt: torch.optim.Optimizer, batch: torch.Tensor, step: int,
+                         cfg: InnerConfig, autocast: contextlib.AbstractContextManager | None = None,
+                         position: int | None = None) -> torch.Tensor:
+    """One AdamW step; the loss as a detached 0-d tensor on the model's device (no host sync).
+
+    The previous step's gradients are freed before the forward pass, not after it: activations and a stale
+    gradient copy never coexist. They stay set after the step (a fault injector's after_step may read them);
+    `run_inner_phase` frees them when the phase ends, so they do not outlive it into the outer step."""
     for g in opt.param_groups:
         g["lr"] = lr_at(step, cfg, position)
+    opt.zero_grad(set_to_none=True)
     with autocast or contextlib.nullcontext():
         loss = model.loss(batch)
-    opt.zero_grad(set_to_none=True)
     loss.backward()
     if cfg.grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
-    value = float(loss.detach())
-    if not math.isfinite(value):
-        raise FloatingPointError(f"training loss became {value} at inner step {step}: lower inner.lr")
-    return value
+    return loss.detach()
 
 
 def steps_this_round(cfg: InnerConfig, seconds_per_step: float) -> int:
@@ -99,6 +111,12 @@ def steps_this_round(cfg: InnerConfig, seconds_per_step: float) -> int:
     if cfg.time_budget_s is None:
         return cfg.inner_steps
     return max(cfg.inner_steps, int(cfg.time_budget_s / max(seconds_per_step, 1e-9)))
+
+
+# The live peer reads the summed loss back to the host every this many inner steps (and at the phase's end): one
+# device sync per LOSS_READ_EVERY steps instead of one per step. A non-finite loss is then seen up to that many
+# steps late; the round is discarded either way (the peer goes back to its last checkpoint: daemon._recover).
+LOSS_READ_EVERY = 8
 
 
 def run_inner_phase(model: LlamaLM, opt: torch.optim.Optimizer, next_batch: Callable[[], torch.Tensor],
@@ -111,15 +129,37 @@ def run_inner_phase(model: LlamaLM, opt: torch.optim.Optimizer, next_batch: Call
 
     Returns (steps done, mean training loss). `should_stop` lets a shutdown request end the phase early;
     `after_step` runs between steps (overlap: adds a mix that has just arrived). `start_position`: where the run
-    is at the phase's first step, for the lr decay (lr_at; default start_step).
+    is at the phase's first step, for the lr decay (lr_at; default start_step). The losses are summed on the
+    device and read every LOSS_READ_EVERY steps; the gradients are freed when the phase ends (the outer step
+    does not need them: one parameter-sized copy less at the round's peak).
     """
-    t0, losses = time.monotonic(), []
-    while not should_stop():
-        done = len(losses)
-        if done >= cfg.inner_steps and (cfg.time_budget_s is None or time.monotonic() - t0 >= cfg.time_budget_s):
-            break
-        batch = next_batch().to(device, non_blocking=True)
-        losses.append(inner_step(model, opt, batch, start_step + done, cfg, autocast,
-                                 None if start_position is None else start_position + done))
-        after_step()
-    return len(losses), (sum(losses) / len(losses) if losses else float("nan"))
+    t0, done, read = time.monotonic(), 0, 0
+    total: torch.Tensor | None = None
+    try:
+        while not should_stop():
+            if done >= cfg.inner_steps and (cfg.time_budget_s is None or time.monotonic() - t0 >= cfg.time_budget_s):
+                break
+            batch = next_batch().to(device, non_blocking=True)
+            pos = None if start_position is None else start_position + done
+            loss = inner_step_on_device(model, opt, batch, start_step + done, cfg, autocast, pos)
+            total = loss.float() if total is None else total + loss
+            done += 1
+            if done - read >= LOSS_READ_EVERY:
+                _check_finite(total, start_step + read, start_step + done - 1)
+                read = done
+            after_step()
+    finally:
+        opt.zero_grad(set_to_none=True)
+    if total is None:
+        return 0, float("nan")
+    mean = float(total) / done
+    if read < done:
+        _check_finite(total, start_step + read, start_step + done - 1)
+    return done, mean
+
+
+def _check_finite(total: torch.Tensor, first: int, last: int) -> None:
+    value = float(total)
+    if not math.isfinite(value):
+        where = f"inner step {last}" if first == last else f"inner steps {first}-{last}"
+        raise FloatingPointError(f"training loss became {value} in {where}: lower inner.lr")

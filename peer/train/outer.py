@@ -207,6 +207,9 @@ class GASLoC(OuterUpdate):
 
     @torch.no_grad()
     def outgoing(self, params):
+        """What this worker sends: y (A, C) or u (B), as new tensors that `apply` and `late_mix` only read, so they
+        stay valid as the exchange's send buffer and, with overlap, until the late mix. Forms A and C allocate
+        this one copy and nothing else."""
         y = self._y(params)
         self._y_sent = y
         if self.cfg.form == "B":
@@ -215,30 +218,37 @@ class GASLoC(OuterUpdate):
             torch._foreach_mul_(u, self.gamma)
             torch._foreach_add_(u, y)
             return u
-        return _clone(y)
+        return y
 
     @torch.no_grad()
     def apply(self, params, mixed):
-        y = self._y_sent
-        form = self.cfg.form
-        if form == "A":
-            new = torch._foreach_sub(y, self.y_prev)
-            torch._foreach_mul_(new, self.gamma)
-            torch._foreach_add_(new, list(mixed))
-            self.y_prev = y
-        elif form == "B":
-            new = _clone(mixed)
-            self.y_prev = y
+        """In place, with no parameter-sized allocation: the new theta is built in the momentum buffer (z_prev or
+        y_prev), whose old value is read only there, and the anchor's buffer (free once y is sent) takes the value
+        the momentum buffer keeps. `mixed` and y (outgoing's tensors) are only read; `mixed` may be `sent` itself
+        (a solo round). Bit for bit the values of the allocating form: z - z_prev is computed as
+        -(z_prev - z) and scaled by -gamma, which is exact in IEEE arithmetic (tests/golden/outer-*.json)."""
+        y, mixed = self._y_sent, list(mixed)
+        form, anchor = self.cfg.form, self.anchor
+        if form == "B":  # theta = mix(u); y_prev = y
+            torch._foreach_copy_(self.y_prev, y)
+            torch._foreach_copy_(anchor, mixed)
         else:
-            z = _clone(mixed)
-            new = torch._foreach_sub(z, self.z_prev)
-            if self.cfg.mix_momentum != 1.0:  # v -= (1 - kappa)(z - y): keep only kappa of the correction
-                torch._foreach_add_(new, torch._foreach_sub(z, y), alpha=-(1 - self.cfg.mix_momentum))
-            torch._foreach_mul_(new, self.gamma)
-            torch._foreach_add_(new, z)
-            self.z_prev = z
+            keep = self.z_prev if form == "C" else self.y_prev  # becomes gamma-extrapolated theta
+            # A: theta = z + gamma (y - y_prev); C: theta = z + gamma (z - z_prev - (1 - kappa)(z - y))
+            torch._foreach_sub_(keep, mixed if form == "C" else y)              # -(z - z_prev) | -(y - y_prev)
+            if form == "C" and self.cfg.mix_momentum != 1.0:
+                torch._foreach_copy_(anchor, mixed)                             # the anchor's buffer: z - y
+                torch._foreach_sub_(anchor, y)
+                torch._foreach_add_(keep, anchor, alpha=1 - self.cfg.mix_momentum)
+            torch._foreach_mul_(keep, -self.gamma)
+            torch._foreach_add_(keep, mixed)                                    # keep = the new theta
+            torch._foreach_copy_(anchor, mixed if form == "C" else y)           # the anchor's buffer = z | y
+            if form == "C":
+                self.z_prev, self.anchor = anchor, keep
+            else:
+                self.y_prev, self.anchor = anchor, keep
         del self._y_sent
-        self._finish(params, new)
+        torch._foreach_copy_(list(params), self.anchor)
 
     @torch.no_grad()
     def late_mix(self, params: Sequence[torch.Tensor], sent: Sequence[torch.Tensor],
@@ -247,12 +257,14 @@ class GASLoC(OuterUpdate):
         during the next inner phase. Shift params and the anchor by what `apply(params, mixed)` would have changed
         in theta - linear in mixed: (1 + gamma kappa)(mixed - sent) in form C, (mixed - sent) in A and B - and
         correct the momentum state (form C: z_prev is the mix). For an inner phase that does not depend on where it
-        starts, this equals the undelayed update exactly; call it before this round's outgoing()."""
-        shift = self.late_shift(sent, mixed)
+        starts, this equals the undelayed update exactly; call it before this round's outgoing(). One temporary
+        copy (the difference)."""
+        d = torch._foreach_sub(list(mixed), list(sent))
         if self.cfg.form == "C":
-            torch._foreach_add_(self.z_prev, torch._foreach_sub(list(mixed), list(sent)))
-        torch._foreach_add_(list(params), shift)
-        torch._foreach_add_(self.anchor, shift)
+            torch._foreach_add_(self.z_prev, d)
+            torch._foreach_mul_(d, 1 + self.gamma * self.cfg.mix_momentum)
+        torch._foreach_add_(list(params), d)
+        torch._foreach_add_(self.anchor, d)
 
     @torch.no_grad()
     def late_shift(self, sent: Sequence[torch.Tensor], mixed: Sequence[torch.Tensor]) -> list[torch.Tensor]:

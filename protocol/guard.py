@@ -80,6 +80,26 @@ class GuardConfig(BaseModel):
                                            "rejected as far (DISTRUSTED), naming at least two different peers (or "
                                            "the only other peer, when it is ahead of us in round, then peer id), "
                                            "download the swarm's state: we are the odd one out; 0: never")
+    # protocol/decision.py (issue 29: partners that know the guard)
+    per_tensor: bool = Field(True, description="also bound each tensor's distance by its own tau_k (k x the median "
+                             "of that tensor's votes), so one tensor cannot take the whole tau ||y|| budget")
+    echo_below: float = Field(0.1, ge=0, lt=1, description="a partner closer than this times the median vote is "
+                              "our own model sent back (echo): rejected, and no vote")
+    sketch_size: int = Field(256, ge=16, le=65536, description="buckets of the seeded random sketch in which each "
+                             "partner's accepted corrections are summed")
+    drift_budget: float = Field(4.0, gt=0, description="a partner's accepted corrections may add up, along any "
+                                "one direction, to this many times tau ||y|| (decayed by drift_half_life_rounds); "
+                                "beyond it a correction is shortened or rejected")
+    drift_half_life_rounds: float = Field(10.0, gt=0, description="the drift sum halves every this many of our "
+                                          "own rounds")
+    drift_min_keep: float = Field(0.1, ge=0, lt=1, description="a correction that the drift budget would shorten "
+                                  "to this share or less is rejected instead")
+    known_after: int = Field(3, ge=0, description="a partner's corrections get outer momentum only after this "
+                             "many of them were mixed in (a stranger's is applied once)")
+    round_gap_cap: int = Field(3, ge=0, description="a partner's offer this many rounds from ours, at most, "
+                               "widens tau by that many rounds of our own movement and the batch check's margin "
+                               "by val_margin a round (a slow link, an overlapped pair); a larger claimed gap "
+                               "counts as this many")
 
     @model_validator(mode="after")
     def _order(self) -> GuardConfig:

@@ -130,7 +130,7 @@ class Worker:
         st = {"method": method, "params": params, "wire": wire, "own": b["own"], "want": b["want"], "recv": b["recv"]}
         if method == "gasloc":
             from gasloc.peer.transport.exchange import ExchangeConfig, Exchanger
-            cfg = ExchangeConfig(wire_dtype=wire, exchange_timeout_s=3600, accept_timeout_s=60,
+            cfg = ExchangeConfig(codec=wire, exchange_timeout_s=3600, accept_timeout_s=60,
                                  max_streams=self.args.max_streams)
             ex = Exchanger(cfg, self.p2p, specs=[(t.shape, t.dtype) for t in st["own"]], fingerprint="bench",
                            is_member=lambda peer: True, namespace=f"{NS}{key}")

@@ -39,8 +39,8 @@ from gasloc.peer.train.data import build_data, evaluate
 from gasloc.peer.train.inner import make_inner_optimizer, run_inner_phase
 from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
 from gasloc.peer.train.outer import make_outer
-from gasloc.protocol.averaging import mix
-from gasloc.protocol.guard import DistanceHistory, FarStreak, Verdict, catch_up_due, clip_toward, swarm_ahead
+from gasloc.protocol.averaging import group_mean_weight, mix_pair_
+from gasloc.protocol.guard import DistanceHistory, FarStreak, Verdict, catch_up_due, swarm_ahead
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.procs import StopSignals
 from gasloc.runtime.safeproc import remove_own_shm
@@ -603,21 +603,29 @@ class Peer:
     def _mixed(self, sent: list[torch.Tensor], ex: RoundExchange) -> tuple[list[torch.Tensor] | None, float]:
         """Our tensors mixed with what an ok exchange received (a partner's, or DiLoCo's group mean, used as is),
         and the consensus metric: their distance relative to ours. A partner's tensors pass the guard first
-        (protocol/guard.py): clipped toward ours, or rejected (None; `ex` then reads as rejected)."""
+        (protocol/guard.py): clipped toward ours, or rejected (None; `ex` then reads as rejected).
+
+        A pair mixes the wire forms of both sides (protocol/averaging.py mix_pair_: z = y + w (Q(y_j) - Q(y_i)), the
+        pair's mean exact whatever the codec), and the guard judges the two decoded forms, which is what each side
+        can compare. The mix is written into the received tensors (the exchange's buffers: no model-sized copy)."""
         received = [t.to(self.device) for t in ex.received]
-        consensus = relative_distance(sent, received)
+        own_wire = None if ex.own_wire is None else [t.to(self.device) for t in ex.own_wire]
+        ours = sent if own_wire is None else own_wire   # Q(y_i)
+        consensus = relative_distance(ours, received)
         if ex.kind != "pair":
             return received, consensus
+        scale = 1.0
         if self.cfg.guard.enabled:
-            v = self._judge(sent, received, consensus, ex)
+            v = self._judge(ours, received, consensus, ex)
             if v.rejected:
                 ex.outcome, ex.received = "rejected", None
                 ex.detail = f"guard code={v.code.name if v.code else '-'} {v.reason}"
                 log.warning("round=%d partner=%s guard rejected code=%s %s", self.round + 1, _short(ex.partner),
                             v.code.name if v.code else "-", v.reason)
                 return None, consensus
-            received = clip_toward(sent, received, v.scale)
-        return mix(sent, [received], self.cfg.outer.mix_weight), consensus
+            scale = v.scale   # clipped: the partner pulls by this share of its difference
+        weight = self.cfg.outer.mix_weight if self.cfg.outer.mix_weight is not None else group_mean_weight(1)
+        return mix_pair_(received, sent, own_wire, weight * scale), consensus
 
     def _judge(self, sent: list[torch.Tensor], received: list[torch.Tensor], distance: float,
                ex: RoundExchange) -> Verdict:

@@ -39,6 +39,31 @@ def mix(own: Sequence[torch.Tensor], partners: Sequence[Sequence[torch.Tensor]],
 
 
 @torch.no_grad()
+def mix_pair_(theirs: list[torch.Tensor], own: Sequence[torch.Tensor], own_wire: Sequence[torch.Tensor] | None,
+              weight: float) -> list[torch.Tensor]:
+    """Symmetric mixing of one pair's wire forms, in place in `theirs` (returned):
+
+        z_i = y_i + w (Q(y_j) - Q(y_i))      theirs = Q(y_j), own = y_i, own_wire = Q(y_i) (None: Q(y_i) = y_i)
+
+    Both sides apply it with the same w, so z_i + z_j = y_i + y_j exactly (to float rounding) whatever the codecs
+    do: mixing our exact y_i with the partner's rounded Q(y_j) instead would move the pair's mean by w (Q(y_j) - y_j)
+    every exchange, a random step that form C's momentum carries on. `weight` is the mix weight times the guard's
+    clip scale (a clipped partner pulls by less). No temporaries the size of a tensor list: `theirs` becomes z.
+    """
+    if len(theirs) != len(own):
+        raise ValueError(f"partner sent {len(theirs)} tensors, expected {len(own)}")
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"mixing weight {weight} leaves no convex combination")
+    if own_wire is None:   # lossless: z = y + w (x_j - y) = lerp(x_j, y, 1 - w)
+        torch._foreach_lerp_(theirs, list(own), 1.0 - weight)
+    else:
+        torch._foreach_sub_(theirs, list(own_wire))
+        torch._foreach_mul_(theirs, weight)
+        torch._foreach_add_(theirs, list(own))
+    return theirs
+
+
+@torch.no_grad()
 def exact_mean(groups: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     """The element-wise mean of several workers' tensor lists (DiLoCo's all-reduce result)."""
     n = len(groups)

@@ -1,7 +1,8 @@
 """Wire headers of the pairwise exchange and of the state download, as versioned pydantic models.
 
 Headers are small JSON objects; tensors never travel inside them. A header describes the raw bytes that follow it
-on the stream: one tensor after another, each C-contiguous, little-endian, in the header's wire dtype.
+on the stream: one tensor after another, each in the header's codec (protocol/codec.py: a cast's C-contiguous
+little-endian values, or a blockwise codec's scales and packed codes); a state download's in the specs' dtypes.
 
 Rolling upgrades: a model ignores fields it does not know (a newer peer may add some) but validates every field it
 knows, strictly (no "1" for 1). A change that an older peer cannot ignore bumps PROTOCOL_VERSION.
@@ -30,13 +31,13 @@ def check_run_id(v: str) -> str:
 
 # 2: membership records may be signed with Ed25519 identities (peer/swarm/ed25519.py), which peers of protocol 1
 # refuse to hold; each side sees the other's records as another protocol (Network._check_protocols)
-PROTOCOL_VERSION = 2
+# 3: exchange headers name a codec (protocol/codec.py) instead of a wire dtype, and an OK reply carries a seed
+PROTOCOL_VERSION = 3
 
 # dtypes a tensor may have in a header, with their size in bytes. Anything else is BAD_DTYPE.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-WireDtype = Literal["float32", "float16", "bfloat16"]
-WIRE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
+MAX_CODEC_CHARS = 32      # a codec's name (protocol/codec.py); anything longer is no codec of ours
 MAX_TENSORS = 100_000      # more tensors than this in one header is garbage, whatever the model
 MAX_DIMS = 8
 MAX_STREAMS = 64           # parallel streams ("lanes") one exchange may use; each costs the responder a buffer
@@ -133,7 +134,7 @@ class ExchangeRequest(_Wire):
     protocol_version: int = Field(description="PROTOCOL_VERSION of the sender")
     fingerprint: str = Field(max_length=128, description="compatibility hash, see fingerprint()")
     round: int = Field(ge=0, description="sender's outer round, for logs only (there is no global round)")
-    wire_dtype: str = Field(max_length=16, description="dtype of the tensor bytes on the wire")
+    codec: str = Field(max_length=MAX_CODEC_CHARS, description="protocol/codec.py name of the payload's codec")
     specs: tuple[TensorSpec, ...] = Field(max_length=MAX_TENSORS, description="the tensors that will follow")
     total_bytes: int = Field(ge=0, description="exact byte count of the payload that follows")
     streams: int = Field(1, ge=1, description="how many parallel streams carry the payloads (this one included)")
@@ -155,7 +156,9 @@ class ExchangeReply(_Wire):
     message: str = Field("", max_length=512, description="human-readable reason, for logs")
     fingerprint: str = Field("", max_length=128)
     round: int = Field(0, ge=0)
-    wire_dtype: str = Field("float32", max_length=16)
+    codec: str = Field("float32", max_length=MAX_CODEC_CHARS, description="the codec of the responder's payload")
+    seed: int = Field(0, ge=0, lt=2**63, description="with OK: the seed a sparse codec picks both sides' blocks "
+                      "with (protocol/codec.py block_choice); the responder's choice")
     specs: tuple[TensorSpec, ...] = Field((), max_length=MAX_TENSORS)
     total_bytes: int = Field(0, ge=0)
     token: str = Field("", max_length=64, description="with OK and streams > 1: what each extra stream presents")

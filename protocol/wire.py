@@ -17,12 +17,13 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from gasloc.protocol.codec import Codec, CodecError
+from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     DTYPE_BYTES,
     MAX_STREAMS,
     PROTOCOL_VERSION,
-    WIRE_DTYPES,
     ExchangeReply,
     ExchangeRequest,
     StateReply,
@@ -98,14 +99,10 @@ def decode_header(body: bytes, cls: type[H]) -> H:
         raise WireError(Code.BAD_HEADER, f"{cls.__name__}.{where}: {first['msg']}") from None
 
 
-def _check_tensors(fingerprint_got: str, wire_dtype: str, specs: Sequence[TensorSpec], total_bytes: int, *,
-                   expected_specs: Sequence[TensorSpec], fingerprint: str, max_bytes: int,
-                   wire_dtypes: Sequence[str] | None) -> tuple[Code, str]:
+def _check_specs(fingerprint_got: str, specs: Sequence[TensorSpec], total_bytes: int, *,
+                 expected_specs: Sequence[TensorSpec], fingerprint: str, max_bytes: int) -> tuple[Code, str]:
     if fingerprint_got != fingerprint:
         return Code.BAD_FINGERPRINT, f"fingerprint {fingerprint_got!r} != ours {fingerprint!r}"
-    allowed = WIRE_DTYPES if wire_dtypes is None else wire_dtypes
-    if wire_dtype not in allowed:
-        return Code.BAD_DTYPE, f"wire dtype {wire_dtype!r} not in {list(allowed)}"
     if total_bytes > max_bytes:
         return Code.TOO_LARGE, f"declared {total_bytes} bytes > cap {max_bytes}"
     if len(specs) != len(expected_specs):
@@ -115,28 +112,48 @@ def _check_tensors(fingerprint_got: str, wire_dtype: str, specs: Sequence[Tensor
             return Code.BAD_SHAPE, f"tensor {i} has shape {list(got.shape)}, expected {list(want.shape)}"
         if got.dtype != want.dtype:
             return Code.BAD_DTYPE, f"tensor {i} has dtype {got.dtype}, expected {want.dtype}"
-    if wire_dtype and total_bytes != payload_bytes(specs, wire_dtype):
-        return Code.BAD_HEADER, f"total_bytes {total_bytes} != {payload_bytes(specs, wire_dtype)} implied by specs"
+    return Code.OK, ""
+
+
+def _check_exchange(fingerprint_got: str, codec_name: str, specs: Sequence[TensorSpec], total_bytes: int, *,
+                    expected_specs: Sequence[TensorSpec], fingerprint: str, max_bytes: int,
+                    codec: Codec | None) -> tuple[Code, str]:
+    """An exchange header's payload: our specs, in a codec we read (a sparse one only if it is ours: both sides must
+    send the same blocks), exactly the bytes that codec makes of them."""
+    code, why = _check_specs(fingerprint_got, specs, total_bytes, expected_specs=expected_specs,
+                             fingerprint=fingerprint, max_bytes=max_bytes)
+    if code != Code.OK:
+        return code, why
+    try:
+        theirs = parse_codec(codec_name)
+    except CodecError as e:
+        return Code.BAD_DTYPE, str(e)
+    if codec is not None and (theirs.sparse or codec.sparse) and theirs != codec:
+        return Code.BAD_DTYPE, f"codec {theirs.name!r} with ours {codec.name!r}: a sparse codec needs the same on both sides"
+    want = theirs.payload_bytes([s.numel for s in specs])
+    if total_bytes != want:
+        return Code.BAD_HEADER, f"total_bytes {total_bytes} != {want} that codec {theirs.name} makes of the specs"
     return Code.OK, ""
 
 
 def check_request(req: ExchangeRequest, *, expected_specs: Sequence[TensorSpec], fingerprint: str,
-                  max_bytes: int) -> tuple[Code, str]:
-    """Whether a responder may accept this request (membership and busyness are the caller's checks)."""
+                  max_bytes: int, codec: Codec | None = None) -> tuple[Code, str]:
+    """Whether a responder (sending in `codec`) may accept this request (membership and busyness are the caller's
+    checks)."""
     if req.streams > MAX_STREAMS:
         return Code.BAD_HEADER, f"{req.streams} streams requested, at most {MAX_STREAMS}"
-    return _check_tensors(req.fingerprint, req.wire_dtype, req.specs, req.total_bytes, expected_specs=expected_specs,
-                          fingerprint=fingerprint, max_bytes=max_bytes, wire_dtypes=None)
+    return _check_exchange(req.fingerprint, req.codec, req.specs, req.total_bytes, expected_specs=expected_specs,
+                           fingerprint=fingerprint, max_bytes=max_bytes, codec=codec)
 
 
 def check_reply(reply: ExchangeReply, *, expected_specs: Sequence[TensorSpec], fingerprint: str,
-                max_bytes: int) -> tuple[Code, str]:
-    """Whether an initiator may receive what this reply announces. A non-OK reply returns its own code."""
+                max_bytes: int, codec: Codec | None = None) -> tuple[Code, str]:
+    """Whether an initiator (sending in `codec`) may receive what this reply announces. A non-OK reply returns its
+    own code."""
     if reply.code != Code.OK:
         return Code.parse(reply.code), reply.message
-    return _check_tensors(reply.fingerprint, reply.wire_dtype, reply.specs, reply.total_bytes,
-                          expected_specs=expected_specs, fingerprint=fingerprint, max_bytes=max_bytes,
-                          wire_dtypes=None)
+    return _check_exchange(reply.fingerprint, reply.codec, reply.specs, reply.total_bytes,
+                           expected_specs=expected_specs, fingerprint=fingerprint, max_bytes=max_bytes, codec=codec)
 
 
 def check_state_reply(reply: StateReply, *, expected_specs: Sequence[TensorSpec],
@@ -156,8 +173,8 @@ def check_state_reply(reply: StateReply, *, expected_specs: Sequence[TensorSpec]
         return Code.BAD_SHAPE, f"donor sends {reply.num_outer} outer-state tensors, expected {len(outer_specs or ())}"
     if any(s.dtype not in DTYPE_BYTES for s in reply.specs):
         return Code.BAD_DTYPE, "unknown dtype in state specs"
-    code, why = _check_tensors(reply.fingerprint, "", reply.specs, reply.total_bytes, expected_specs=expected,
-                               fingerprint=fingerprint, max_bytes=max_bytes, wire_dtypes=("",))
+    code, why = _check_specs(reply.fingerprint, reply.specs, reply.total_bytes, expected_specs=expected,
+                             fingerprint=fingerprint, max_bytes=max_bytes)
     if code == Code.OK and reply.total_bytes != payload_bytes(reply.specs):
         return Code.BAD_HEADER, f"total_bytes {reply.total_bytes} != {payload_bytes(reply.specs)} implied by specs"
     if code == Code.OK and len(reply.sha256) != 64:

@@ -10,6 +10,7 @@ from gasloc.peer.train.data import DataConfig
 from gasloc.peer.train.inner import InnerConfig
 from gasloc.peer.train.model import ModelConfig
 from gasloc.peer.train.outer import OuterConfig, fit_to_h
+from gasloc.protocol.codec import check_name as check_codec
 from gasloc.protocol.guard import GuardConfig
 from gasloc.protocol.matching import Topology
 from gasloc.sim.clock import PROFILES, Link
@@ -133,9 +134,17 @@ class SimConfig(BaseModel):
                                "(each worker judges each partner from its own distance history; no trust-based "
                                "partner choice: the matchings are the topology's)")
     search: SearchConfig = Field(default_factory=SearchConfig)
+    codec: str | None = Field(None, description="wire codec of the pairwise exchange, as a live peer's "
+                              "exchange.codec (protocol/codec.py): each worker mixes the wire form of both sides "
+                              "and the clock charges the codec's bytes; unset: the tensors as they are, charged "
+                              "clock.bytes_per_param a parameter")
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
+        if self.codec is not None:
+            check_codec(self.codec)
+            if self.batched:
+                raise ValueError("codec is not modelled by the batched trainer: unset batched or codec")
         if self.data.shard_index is not None or self.data.num_shards != 1:
             raise ValueError("data.shard_index and data.num_shards are set by the simulator (worker i reads shard "
                              "i of K); remove them")

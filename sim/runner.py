@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from gasloc.peer.train.inner import steps_this_round
+from gasloc.protocol.codec import parse as codec_parse
 from gasloc.protocol.matching import bandwidth_weights, graph_edges
 from gasloc.protocol.partners import Backoff
 from gasloc.protocol.search import SearchRules
@@ -60,12 +61,15 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
     else:
         trainer = SimTrainer(cfg)
     scale = cfg.clock.nominal_params / trainer.num_params if cfg.clock.nominal_params else 1.0
+    # a codec's bytes (scales and padding of the simulated model's tensors included), else the clock's figure
+    bytes_per_param = (codec_parse(cfg.codec).bits_per_param([p.numel() for p in trainer.params[0]]) / 8
+                        if cfg.codec is not None else cfg.clock.bytes_per_param)
     edges = graph_edges(cfg.topology, k)
     weights = bandwidth_weights(k, [x.bandwidth_bps for x in links], edges) if cfg.bandwidth_weighted else None
     sc = cfg.search
     common = dict(barrier=cfg.barrier, communicates=cfg.outer.communicates,
                   steps_for=lambda i: steps_this_round(cfg.inner, links[i].seconds_per_step),
-                  wire_bytes=lambda numel: numel * cfg.clock.bytes_per_param * scale,
+                  wire_bytes=lambda numel: numel * bytes_per_param * scale,
                   rng=random.Random(cfg.seed), num_partners=cfg.num_partners, weights=weights,
                   allreduce_setup_s=cfg.clock.allreduce_setup_s)
     engine: LockstepEngine | AsyncEngine | LiveEngine | GroupEngine

@@ -230,6 +230,29 @@ def claim_bench_ratio(run: str, seeds: list[int], tol: float) -> Callable[[Resul
     return check
 
 
+def claim_codec(codec: str, seeds: list[int], tol: float) -> Callable[[Results], tuple[bool, str]]:
+    """Paired by seed (same init, data and matchings): the codec's final val loss against the fp32 wire's."""
+    def check(res: Results) -> tuple[bool, str]:
+        rel = [_final(res[f"{codec}-s{s}"]) / _final(res[f"float32-s{s}"]) - 1 for s in seeds]
+        mean = sum(rel) / len(rel)
+        runs = [res[f"{c}-s{s}"] for s in seeds for c in (codec, "float32")]
+        return _same_tokens(*runs) and mean <= tol, (
+            f"{codec} {100 * mean:+.2f}% against float32 (mean of seeds {', '.join(map(str, seeds))}: "
+            f"{', '.join(f'{100 * r:+.2f}%' for r in rel)}; limit +{100 * tol:g}%) at {_tokens(*runs)}")
+    return check
+
+
+def codec_suite(name: str, *, workers: int, base: dict, b: dict, seeds: list[int], codecs: dict[str, float],
+                notes: list[str]) -> Suite:
+    """Issue 32's check of the wire codecs: claim (b)'s GASLoC run once per codec and seed, beside the fp32 wire
+    (`codecs`: name -> the loss bound its claim checks, as a fraction over fp32; paired by seed)."""
+    b = {"workers": workers, "topology": "random", "outer.algorithm": "gasloc", **b}
+    runs = [RunSpec(f"{c}-s{s}", {**b, "seed": s, "codec": c}) for s in seeds for c in ("float32", *codecs)]
+    claims = [Claim(c, f"codec {c}: final val loss within {100 * tol:g}% of the fp32 wire's at equal tokens "
+                    "(paired seeds)", claim_codec(c, seeds, tol)) for c, tol in codecs.items()]
+    return Suite(name, base, runs, claims, notes)
+
+
 def hetero_suite(name: str, *, base: dict, seeds: list[int], notes: list[str]) -> Suite:
     """Issue 15's check that the simulator predicts bench/hetero.py: the bench's three runs, per seed."""
     runs = []
@@ -527,6 +550,20 @@ SUITES: dict[str, Suite] = {
                                            "data.val_batches": 1, "inner.warmup_steps": 2},
         b={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, settings=[(0.7, 0.5)],
         notes=["a plumbing check at toy size; its numbers say nothing"]),
+    # issue 32: the wire codecs on claim (b)'s cosine setup, three seeds (docs/codecs.md)
+    "codecs": codec_suite(
+        "codecs", workers=8, base=PAPER_BASE,
+        b={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3, "inner.lr": 2e-3, "inner.total_steps": 600},
+        seeds=[0, 1, 2], codecs={"int8": 0.005, "int4": 0.005, "int4-rn": 0.005, "int3": 0.005, "int8-p10": 0.02,
+                                   "int4-p20": 0.02},
+        notes=["paper-cosine's claim (b) setup (8 workers, tiny preset, H = 20, inner lr 2e-3 decayed by a cosine over "
+               "600 steps, 30 rounds, random, uniform links, schedule live), GASLoC with its defaults, once per "
+               "codec and seed; both sides mix the wire forms (symmetric mixing)"]),
+    "codecs-smoke": codec_suite(
+        "codecs-smoke", workers=4, base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2,
+                                         "data.val_batches": 1, "inner.warmup_steps": 2},
+        b={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, seeds=[0], codecs={"int4": 0.005, "int8-p10": 0.02},
+        notes=["a plumbing check at toy size; its verdicts say nothing about the codecs"]),
     "hetero": hetero_suite(
         "hetero", base=HETERO_BASE, seeds=[0, 1, 2],
         notes=["bench/hetero.py's setup on the simulator: 6 workers, 30 vs 3 Mbit, tiny preset, fp32 on the wire, "

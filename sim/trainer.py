@@ -12,6 +12,7 @@ from gasloc.peer.train.inner import inner_step, make_inner_optimizer
 from gasloc.peer.train.model import build_model
 from gasloc.peer.train.outer import make_outer
 from gasloc.protocol.averaging import exact_mean, mix
+from gasloc.protocol.codec import parse as codec_parse
 from gasloc.protocol.guard import DistanceHistory, Verdict, clip_toward, relative_distance
 from gasloc.sim.config import SimConfig
 
@@ -56,6 +57,12 @@ class SimTrainer:
         self.weight = cfg.outer.mix_weight
         self.overlap = cfg.outer.overlap
         self.late: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None] = [None] * k  # overlap: (sent, mixed)
+        # the wire form of what each worker sent this round (protocol/codec.py), what its partners receive and what
+        # it mixes against; the sent tensors themselves without a codec
+        self.codec = codec_parse(cfg.codec) if cfg.codec is not None else None
+        self.wire: dict = dict.fromkeys(range(k))   # i -> its wire form; (i, j): j's, as i decodes it (sparse)
+        self.rngs = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + i) for i in range(k)]
+        self.pair_seed = 0   # sparse codecs: counts mix rounds, for each pair's seed
         self.guards = [DistanceHistory(cfg.guard) for _ in range(k)]
         self.guard_counts = {"accept": 0, "check": 0, "clip": 0, "reject": 0}
 
@@ -87,6 +94,9 @@ class SimTrainer:
     def send(self, i: int) -> int:
         self.arrive(i)  # a mix that has not arrived yet is waited for (the engine's clock charges the wait)
         self.sent[i] = self.outers[i].outgoing(self.params[i])
+        c = self.codec
+        self.wire[i] = self.sent[i] if c is None or c.lossless or c.sparse else [
+            c.decode(c.encode(t, generator=self.rngs[i]), torch.empty_like(t)) for t in self.sent[i]]
         return sum(t.numel() for t in self.sent[i])
 
     def mix_round(self, partners: Mapping[int, list[int]]) -> None:
@@ -94,9 +104,13 @@ class SimTrainer:
         else the Metropolis weight 1/(1 + max(deg_i, deg_j)) - 1/2 for a plain pair (the pair mean), 1/3 where
         either side has two partners this round."""
         degree = {i: len(ps) for i, ps in partners.items()}
+        if self.codec is not None and self.codec.sparse:
+            self._sparse_wire(partners)
         for i, ps in partners.items():
-            own = self.sent[i]
-            theirs = {j: self.sent[j] for j in ps}
+            # symmetric mixing of the wire forms: z_i = y_i + sum_j w (Q(y_j) - Q(y_i)), the pair's mean exact for
+            # any codec (protocol/averaging.py mix_pair_); `own` below is Q(y_i), y_i's rounding added back last
+            own = self._wire_of(i)
+            theirs = {j: self.wire[(i, j)] if (i, j) in self.wire else self._wire_of(j) for j in ps}
             if self.cfg.guard.enabled:  # each worker judges what it received, as a live peer does
                 theirs = self._guarded(i, theirs)
             groups: dict[float, list[int]] = {}
@@ -104,17 +118,46 @@ class SimTrainer:
                 w = self.weight if self.weight is not None else 1 / (1 + max(degree[i], degree[j]))
                 groups.setdefault(w, []).append(j)
             if not groups:
-                self.mixed[i] = own
+                self.mixed[i] = self.sent[i]
                 continue
             # z = own + sum_j w_j (x_j - own), one protocol.mix call per distinct weight
             parts = [mix(own, [theirs[j] for j in js], w) for w, js in groups.items()]
             for extra in parts[1:]:
                 torch._foreach_add_(parts[0], torch._foreach_sub(extra, own))
+            if own is not self.sent[i]:
+                torch._foreach_add_(parts[0], torch._foreach_sub(self.sent[i], own))
             self.mixed[i] = parts[0]
+
+    def _wire_of(self, i: int) -> list[torch.Tensor]:
+        """What worker i's partners receive: its sent tensors without a (lossy) codec, else their wire form."""
+        return self.sent[i] if self.codec is None or self.codec.lossless else self.wire[i]
+
+    def _sparse_wire(self, partners: Mapping[int, list[int]]) -> None:
+        """Seeded sparse averaging: each pair's blocks come from a seed both sides derive (a live exchange's
+        token); `wire[i]` becomes i's own wire form on them (its own tensors elsewhere) and `wire[(i, j)]` what i
+        decodes of j's payload, over wire[i]."""
+        c, self.pair_seed = self.codec, self.pair_seed + 1
+        for ps in partners.values():
+            if len(ps) > 1:
+                raise ValueError(f"codec {c.name} is pairwise: one partner a round")
+        payloads = {}
+        for i, ps in partners.items():
+            for j in ps:
+                seed = hash((self.pair_seed, min(i, j), max(i, j))) & 0x7FFFFFFF
+                payloads[i] = (seed, [c.encode(t, generator=self.rngs[i], seed=seed) for t in self.sent[i]])
+        for i, ps in partners.items():
+            if ps:
+                seed, mine = payloads[i]
+                self.wire[i] = [c.decode(p, torch.empty_like(t), seed, fill=t) for p, t in zip(mine, self.sent[i])]
+        for i, ps in partners.items():
+            for j in ps:
+                seed, theirs = payloads[j]
+                self.wire[(i, j)] = [c.decode(p, torch.empty_like(t), seed, fill=t)
+                                     for p, t in zip(theirs, self.wire[i])]
 
     def _guarded(self, i: int, theirs: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
         """Worker i's partners' tensors after its guard (protocol/guard.py): clipped toward its own, or left out."""
-        own, out = self.sent[i], {}
+        own, out = self._wire_of(i), {}
         for j, t in theirs.items():
             v = self.guards[i].judge(relative_distance(own, t))
             if v.action == "check":
@@ -151,7 +194,9 @@ class SimTrainer:
                 self.late[i] = (self.sent[i], self.mixed[i])
         else:
             self.outers[i].apply(self.params[i], self.mixed[i])
-        self.sent[i] = self.mixed[i] = None
+        self.sent[i] = self.mixed[i] = self.wire[i] = None
+        for key in [key for key in self.wire if isinstance(key, tuple) and key[0] == i]:
+            del self.wire[key]
 
     # ---- measurement
     @torch.no_grad()

@@ -23,6 +23,7 @@ class RoundExchange:
     kind: Literal["pair", "mean"] = "pair"
     partner: str | None = None
     received: list[torch.Tensor] | None = None
+    own_wire: list[torch.Tensor] | None = None  # pair: our tensors as the partner decoded them (None: lossless)
     group_size: int = 1
     bytes_sent: int = 0
     bytes_received: int = 0

@@ -2,8 +2,9 @@
 
 Protocol (initiator I, responder R), on a control stream plus n-1 extra streams ("lanes", see lanes.py):
 
-    I -> R  ExchangeRequest header (fingerprint, wire dtype, specs, total_bytes, n); nothing else until R answers
-    R -> I  ExchangeReply header: a Code; with OK, R's own specs and a token   (I waits at most accept_timeout_s)
+    I -> R  ExchangeRequest header (fingerprint, codec, specs, total_bytes, n); nothing else until R answers
+    R -> I  ExchangeReply header: a Code; with OK, R's own codec, specs, a token and a seed (a sparse codec's
+            blocks)                                                               (I waits at most accept_timeout_s)
     I -> R  n-1 lane streams, each presenting the token
     I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors
     I <-> R one verdict byte each on the control stream: OK, or why the partner's tensors were discarded
@@ -20,8 +21,12 @@ Failure semantics (what the daemon may rely on):
   other peers. At most `max_concurrent_handlers` callers are served at once; more are closed
   on unread.
 - Everything a partner declares is validated before a byte of payload is buffered: version, fingerprint,
-  wire dtype, declared size <= max_message_bytes, tensor count, shapes and dtypes; values are checked
-  finite after receipt. Receive buffers are sized from OUR specs, so memory is bounded by our own model size.
+  codec, declared size <= max_message_bytes and = what the codec makes of our specs, tensor count, shapes and
+  dtypes; values are checked finite after decoding. Receive buffers are sized from OUR specs and the codec, so
+  memory is bounded by our own model size.
+- Payloads are in each side's codec (protocol/codec.py; peer/transport/staging.py owns the buffers); an ok result
+  carries the partner's tensors decoded and our own as the partner decoded them (`own_wire`), which the daemon
+  mixes against so that the pair's mean is kept exactly whatever the codecs.
 - Every wait has a deadline: accept_timeout_s for the handshake, exchange_timeout_s for the whole exchange. A
   partner killed with kill -9 is seen at once (p2pd resets the stream); a silent one at the deadline.
 - One exchange per offer: a responder accepts only while it has an unused offer and is not engaged, else BUSY.
@@ -39,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,13 +53,16 @@ from typing import Any, Literal
 
 import torch
 from hivemind.p2p import P2P, PeerID
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
 from gasloc.peer.transport.lanes import LaneRegistry, move, open_lanes
-from gasloc.peer.transport.tensor_io import finish_received, in_thread, to_wire, torch_dtype
+from gasloc.peer.transport.staging import Staging
+from gasloc.peer.transport.tensor_io import in_thread
 from gasloc.protocol.auth import EXCHANGE_ANSWER, EXCHANGE_CALL, PROOF_HEX_CHARS, proof_ok, stream_proof
 from gasloc.protocol.buckets import WIDEST_HINTS, PeerHint, from_wire, wire_hints
+from gasloc.protocol.codec import DEFAULT_CODEC, MAX_CODEC_CHARS, Codec, CodecError, check_name
+from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     MAX_STREAMS,
@@ -86,8 +95,10 @@ class ExchangeConfig(BaseModel):
     exchange_timeout_s: float = Field(30.0, gt=0, description="deadline of a whole exchange, handshake included")
     accept_timeout_s: float = Field(2.0, gt=0, description="how long an initiator waits for accept/busy, and a "
                                     "responder for the request header")
-    wire_dtype: Literal["float32", "float16", "bfloat16"] = Field(
-        "float32", description="dtype of our tensors on the wire; received tensors are cast back to the model dtype")
+    codec: str = Field(DEFAULT_CODEC, max_length=MAX_CODEC_CHARS, description="wire codec of what we send "
+                       "(protocol/codec.py, docs/codecs.md): float32 (lossless), float16, bfloat16, or "
+                       "int<bits>[-b<block>][-p<pct>][-sr|-rn] (blockwise; -p: seeded sparse, partners must use the "
+                       "same); partners may send in another codec, the state download is always lossless")
     max_message_bytes: int | None = Field(None, gt=0, description="cap on the payload a partner may declare; "
                                           "default: our own tensors at float32, the most a compatible peer sends")
     chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="bytes per write before waiting for the "
@@ -104,6 +115,24 @@ class ExchangeConfig(BaseModel):
     max_concurrent_handlers: int = Field(8, ge=1, le=1024, description="callers served at once (all but one get "
                                          "BUSY or a rejection); more are closed unread, so strangers cannot "
                                          "pile up work")
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, v: str) -> str:
+        return check_name(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _wire_dtype_is_a_codec(cls, data: Any) -> Any:
+        # configs written before the codec: exchange.wire_dtype named a cast, which is a codec of the same name
+        if isinstance(data, dict) and "wire_dtype" in data:
+            data = dict(data)
+            old = data.pop("wire_dtype")
+            if "codec" in data:
+                raise ValueError("exchange.wire_dtype is the old name of exchange.codec: set codec only")
+            log.warning("config: exchange.wire_dtype is deprecated, read as exchange.codec = %r", old)
+            data["codec"] = old
+        return data
 
     @model_validator(mode="after")
     def _accept_within_exchange(self) -> ExchangeConfig:
@@ -135,6 +164,8 @@ class ExchangeResult:
     round: int = -1           # our round of the offer this exchange used
     partner_round: int = -1
     streams: int = 0          # parallel p2p streams the exchange used (0: none opened)
+    own_wire: list[torch.Tensor] | None = None   # ok: our tensors as the partner decoded them (None: lossless)
+    codec: str = ""           # ours / the partner's codec of an ok exchange, for logs
 
     @property
     def ok(self) -> bool:
@@ -164,7 +195,8 @@ class _Offer:
     tensors: list[torch.Tensor]
     round: int
     used: bool = False
-    wire: list[torch.Tensor] | None = None
+    wire: list[torch.Tensor] | None = None       # our payload in our codec (a dense codec: once per offer)
+    own: list[torch.Tensor] | None = None        # and as the partner decodes it (None: lossless)
     wire_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -213,25 +245,24 @@ class Exchanger:
         self.lane_name = f"{namespace}::gasloc.exchange-lane.v{PROTOCOL_VERSION}"
         self._lanes = LaneRegistry(hello_timeout_s=cfg.accept_timeout_s)
         self.max_message_bytes = cfg.max_message_bytes or payload_bytes(self.specs, "float32")
+        self.codec: Codec = parse_codec(cfg.codec)
+        self.staging = Staging(self.specs, self.codec)
         # the longest header we read: our own request or reply for these specs, fully filled, plus slack
         widest = ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint="f" * 128, round=2**62,
-                                 wire_dtype="bfloat16", specs=tuple(self.specs), total_bytes=2**62,
+                                 codec="c" * MAX_CODEC_CHARS, specs=tuple(self.specs), total_bytes=2**62,
                                  streams=MAX_STREAMS, auth="a" * PROOF_HEX_CHARS, peers=WIDEST_HINTS)
         self.max_header_bytes = max(header_cap(widest.model_copy(update={"member": WIDEST_MEMBER})), header_cap(
             ExchangeReply(protocol_version=PROTOCOL_VERSION, code=0, message="m" * 512, fingerprint=widest.fingerprint,
-                          round=widest.round, wire_dtype=widest.wire_dtype, specs=widest.specs,
+                          round=widest.round, codec=widest.codec, specs=widest.specs, seed=2**63 - 1,
                           total_bytes=widest.total_bytes, token="t" * 64, auth=widest.auth, peers=WIDEST_HINTS,
                           members=WIDEST_MEMBERS)))
         self.rejected_unread = 0       # callers closed before a byte was read (over the handler cap)
-        self._local_dtypes = [torch_dtype(s.dtype) for s in self.specs]
         self._offer: _Offer | None = None
         self._engagement: _Engagement | None = None
         self._handlers: set[asyncio.Task] = set()
         self._incoming: asyncio.Queue[ExchangeResult] = asyncio.Queue()
         self._started = False
         self._rates: dict[str, float] = {}              # partner -> bytes/s each way of our last exchange
-        self._spare: list[torch.Tensor] | None = None   # recycled output tensors (see recycle)
-        self._wire_bufs: dict[str, list[torch.Tensor]] = {}   # receive buffers for a 16-bit wire, reused
 
     # ---- lifecycle ----
 
@@ -292,12 +323,7 @@ class Exchanger:
         """Hand back the tensors of a finished exchange once you no longer need them: the next exchange receives
         into them instead of fresh memory (for a 100M-parameter model that saves ~0.3 CPU-s of page faults per
         exchange). They will be overwritten; keep no reference you still read."""
-        ok = len(tensors) == len(self.specs) and all(
-            tuple(t.shape) == s.shape and t.dtype == d and t.is_contiguous() and t.device.type == "cpu"
-            for t, s, d in zip(tensors, self.specs, self._local_dtypes))
-        if not ok:
-            raise ValueError("recycle() takes the tensors of an exchange result (same shapes and dtypes as specs)")
-        self._spare = list(tensors)
+        self.staging.recycle(tensors)
 
     @property
     def engaged(self) -> str | None:
@@ -353,7 +379,7 @@ class Exchanger:
         eng = self._engagement = _Engagement("initiator", partner, asyncio.current_task())
         me = self._me()
         phase = "connect"
-        total = payload_bytes(self.specs, self.cfg.wire_dtype)
+        total = self.staging.payload_bytes()
         rate = self._rates.get(partner)
         fast = rate is not None and rate >= self.cfg.fast_link_bytes_per_s
         streams = min(self.cfg.fast_link_streams, self.cfg.max_streams) if fast else self.cfg.max_streams
@@ -365,7 +391,7 @@ class Exchanger:
                     channels.append(Channel.take_over(reader, writer))
                     phase = "handshake"
                     request = ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint=self.fingerprint,
-                                              round=offer.round, wire_dtype=self.cfg.wire_dtype,
+                                              round=offer.round, codec=self.codec.name,
                                               specs=tuple(self.specs), total_bytes=total, streams=lanes,
                                               auth=self._proof(EXCHANGE_CALL, me, partner),
                                               peers=wire_hints(self.hints_out(partner)), member=self.member_out(),
@@ -377,7 +403,7 @@ class Exchanger:
                         if self.members_in is not None and reply.members:
                             self.members_in(partner, reply.members)
                     code, why = check_reply(reply, expected_specs=self.specs, fingerprint=self.fingerprint,
-                                            max_bytes=self.max_message_bytes)
+                                            max_bytes=self.max_message_bytes, codec=self.codec)
                     if code == Code.BUSY:
                         return result(Outcome.busy, code, f"partner: {why}")
                     if code != Code.OK:
@@ -392,11 +418,12 @@ class Exchanger:
                         phase = "opening lanes"
                         channels += await open_lanes(self.p2p, peer_id, self.lane_name, reply.token, lanes)
                 phase = "transfer"
-                tensors, code, why = await self._duplex(channels, offer, reply.wire_dtype, eng)
+                tensors, own, code, why = await self._duplex(channels, offer, reply.codec, reply.seed, eng)
                 if code != Code.OK:
                     return result(Outcome.rejected, code, why)
                 offer.used = True
                 r = result(Outcome.ok, Code.OK, "", tensors, reply.round)
+                r.own_wire, r.codec = own, f"{self.codec.name}/{reply.codec}"
                 self._remember_rate(partner, r)
                 return r
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
@@ -489,7 +516,7 @@ class Exchanger:
             return await self._reply(ch, partner, Code.NOT_MEMBER, "you are not a live member of this run",
                                      member=False)
         code, why = check_request(request, expected_specs=self.specs, fingerprint=self.fingerprint,
-                                  max_bytes=self.max_message_bytes)
+                                  max_bytes=self.max_message_bytes, codec=self.codec)
         if code == Code.OK:   # a compatible caller is searching for a partner: ready, worth telling others of
             self.hints_in(partner, from_wire(request.peers), state="exchanging", round=request.round)
         if code != Code.OK:
@@ -504,16 +531,17 @@ class Exchanger:
             return await self._reply(ch, partner, Code.BUSY, why, wanted=wanted)
         # accepted: from here until the finally, nobody else can engage us (no await between check and set)
         eng = self._engagement = _Engagement("responder", partner, asyncio.current_task())
-        outcome, code, detail, tensors = Outcome.failed, None, "", None
+        outcome, code, detail, tensors, own = Outcome.failed, None, "", None, None
+        seed = random.getrandbits(63)   # a sparse codec's blocks: ours to pick, both sides send the same ones
         phase = "accept"
         channels = [ch]
         token, lane_waiters = self._lanes.expect(partner, request.streams)
         try:
             async with asyncio.timeout(self.cfg.exchange_timeout_s):
                 reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(Code.OK),
-                                      fingerprint=self.fingerprint, round=offer.round, wire_dtype=self.cfg.wire_dtype,
-                                      specs=tuple(self.specs),
-                                      total_bytes=payload_bytes(self.specs, self.cfg.wire_dtype), token=token,
+                                      fingerprint=self.fingerprint, round=offer.round, codec=self.codec.name,
+                                      specs=tuple(self.specs), seed=seed,
+                                      total_bytes=self.staging.payload_bytes(), token=token,
                                       auth=self._proof(EXCHANGE_ANSWER, partner, me),
                                       peers=wire_hints(self.hints_out(partner)))
                 await ch.write(encode_header(reply))
@@ -522,7 +550,7 @@ class Exchanger:
                     async with asyncio.timeout(self.cfg.accept_timeout_s):
                         channels += await asyncio.gather(*lane_waiters)
                 phase = "transfer"
-                tensors, code, detail = await self._duplex(channels, offer, request.wire_dtype, eng)
+                tensors, own, code, detail = await self._duplex(channels, offer, request.codec, seed, eng)
                 outcome = Outcome.ok if code == Code.OK else Outcome.rejected
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
             outcome, code, detail = _failure(e, phase)
@@ -531,7 +559,8 @@ class Exchanger:
             self._lanes.release(token)      # closes the lanes; `ch` is closed by _handle
         r = ExchangeResult(outcome, partner, code, tensors if outcome is Outcome.ok else None,
                            sum(c.bytes_written for c in channels), sum(c.bytes_read for c in channels),
-                           time.monotonic() - t0, detail, "responder", offer.round, request.round, len(channels))
+                           time.monotonic() - t0, detail, "responder", offer.round, request.round, len(channels),
+                           own if outcome is Outcome.ok else None, f"{self.codec.name}/{request.codec}")
         if r.ok:
             offer.used = True
             self._remember_rate(partner, r)
@@ -546,43 +575,42 @@ class Exchanger:
         self._rates.pop(partner, None)
         self._rates[partner] = max(r.bytes_sent, r.bytes_received) / max(r.seconds, 1e-6)
 
-    async def _wire_tensors(self, offer: _Offer) -> list[torch.Tensor]:
-        """The offered tensors in our wire dtype, cast once per offer in a worker thread."""
+    async def _wire_tensors(self, offer: _Offer, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Our payload in our codec and our own wire form, encoded in a worker thread once per offer (a sparse
+        codec: once per exchange, its blocks picked by the exchange's seed)."""
         async with offer.wire_lock:
-            if offer.wire is None:
-                if all(str(t.dtype).removeprefix("torch.") == self.cfg.wire_dtype for t in offer.tensors):
-                    offer.wire = offer.tensors
-                else:
-                    offer.wire = await in_thread(lambda: [to_wire(t, self.cfg.wire_dtype) for t in offer.tensors])
-            return offer.wire
+            if offer.wire is None or self.codec.sparse:
+                def encode():
+                    wire = self.staging.encode(offer.tensors, seed)
+                    return wire, self.staging.own_wire(wire, offer.tensors, seed)
+                offer.wire, offer.own = await in_thread(encode)
+            return offer.wire, offer.own
 
-    async def _duplex(self, channels: list[Channel], offer: _Offer, their_wire_dtype: str, eng: _Engagement
-                      ) -> tuple[list[torch.Tensor] | None, Code, str]:
+    async def _duplex(self, channels: list[Channel], offer: _Offer, their_codec: str, seed: int, eng: _Engagement
+                      ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, Code, str]:
         """Send ours and receive theirs at once over all lanes, then trade verdicts on the control stream.
-        Returns (tensors, OK, "") only when both sides accepted; otherwise (None, the code, why)."""
-        ours = await self._wire_tensors(offer)
-        # every buffer is sized from OUR specs (validated equal to theirs): a partner cannot make us allocate more
-        out, self._spare = self._spare, None
-        if out is None:
-            out = [torch.empty(s.shape, dtype=d) for s, d in zip(self.specs, self._local_dtypes)]
-        wire = torch_dtype(their_wire_dtype)
-        if all(d == wire for d in self._local_dtypes):
-            bufs = out                   # zero-copy: the partner's bytes land in the tensors we return
-        else:
-            bufs = self._wire_bufs.get(their_wire_dtype)
-            if bufs is None:
-                bufs = self._wire_bufs[their_wire_dtype] = [torch.empty(s.shape, dtype=wire) for s in self.specs]
+        Returns (their tensors decoded, our own wire form, OK, "") only when both sides accepted; otherwise
+        (None, None, the code, why)."""
+        try:
+            codec = parse_codec(their_codec)   # checked with the header; parsed again, from the cache
+        except CodecError as e:
+            return None, None, Code.BAD_DTYPE, str(e)
+        ours, own = await self._wire_tensors(offer, seed)
+        # every buffer is sized from OUR specs (validated equal to theirs) and the codec: a partner cannot make us
+        # allocate more
+        bufs, out = self.staging.receive_buffers(codec)
         await move(channels, ours, bufs, self.cfg.chunk_bytes)
-        finished = await in_thread(lambda: [finish_received(b, o) for b, o in zip(bufs, out)])
-        tensors = out
+        fill = own if own is not None else offer.tensors
+        bad = await in_thread(self.staging.decode, codec, bufs, out, seed, fill)
         ch = channels[0]
-        bad = [i for i, ok in enumerate(finished) if not ok]
         verdict = Code.NOT_FINITE if bad else Code.OK
         eng.verdict_sent = True
         await ch.write(bytes([verdict]))
         theirs = Code.parse((await ch.readexactly(1))[0])
         if verdict != Code.OK:
-            return None, verdict, f"partner sent non-finite values in tensor(s) {bad[:5]}"
+            self.staging.recycle(out)
+            return None, None, verdict, f"partner sent non-finite values in tensor(s) {bad[:5]}"
         if theirs != Code.OK:
-            return None, theirs, f"partner rejected our tensors: {theirs.voice}"
-        return tensors, Code.OK, ""
+            self.staging.recycle(out)
+            return None, None, theirs, f"partner rejected our tensors: {theirs.voice}"
+        return out, own, Code.OK, ""

@@ -44,19 +44,6 @@ def is_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
-def to_wire(t: torch.Tensor, wire_dtype: str) -> torch.Tensor:
-    """`t` as a contiguous tensor of the wire dtype (no copy when it already is one)."""
-    return t.detach().to(torch_dtype(wire_dtype)).contiguous()
-
-
-def finish_received(buf: torch.Tensor, out: torch.Tensor) -> bool:
-    """Cast a received wire tensor into `out` (nothing to do when they are the same tensor); whether all its values
-    are finite (checked after the cast, which keeps NaN/Inf)."""
-    if out is not buf:
-        out.copy_(buf)
-    return is_finite(out)
-
-
 async def in_thread(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 

@@ -70,7 +70,7 @@ async def main(mode: str, ns: str, fp: str, *args: str) -> None:
             ch = Channel.take_over(reader, writer)
             request = await read_header(ch, ExchangeRequest)
             await ch.write(encode_header(ExchangeReply(protocol_version=PROTOCOL_VERSION, code=0, fingerprint=fp,
-                                                       wire_dtype="float32", specs=spec, total_bytes=len(payload),
+                                                       codec="float32", specs=spec, total_bytes=len(payload),
                                                        token="t" * 32)))
             _, start, end = lane_segments([len(payload)], request.streams)[0][0]   # what lane 0 carries
             half = (start + end) // 2
@@ -86,7 +86,7 @@ async def main(mode: str, ns: str, fp: str, *args: str) -> None:
         _, reader, writer = await p2p.call_binary_stream_handler(target, exchange_name(ns))
         ch = Channel.take_over(reader, writer)
         await ch.write(encode_header(ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint=fp, round=1,
-                                                     wire_dtype="float32", specs=spec, total_bytes=len(payload))))
+                                                     codec="float32", specs=spec, total_bytes=len(payload))))
         reply = await read_header(ch, ExchangeReply)
         say("REPLY", Code(reply.code).name)
         await ch.write(payload[:len(payload) // 2])
@@ -99,7 +99,7 @@ async def main(mode: str, ns: str, fp: str, *args: str) -> None:
         _, reader, writer = await p2p.call_binary_stream_handler(target, exchange_name(ns))
         ch = Channel.take_over(reader, writer)
         await ch.write(encode_header(ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint=fp, round=1,
-                                                     wire_dtype="float32", specs=(TensorSpec(shape=(1 << 38,),
+                                                     codec="float32", specs=(TensorSpec(shape=(1 << 38,),
                                                                                             dtype="float32"),),
                                                      total_bytes=1 << 40)))
         reply_task = asyncio.ensure_future(read_header(ch, ExchangeReply))

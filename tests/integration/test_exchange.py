@@ -1,5 +1,6 @@
 """The pairwise exchange over real p2pd daemons on loopback: success, busy, hostile partners and dying partners."""
 import asyncio
+import math
 import os
 import signal
 import struct
@@ -12,7 +13,9 @@ from p2p_helpers import Partner, arun, first_maddr, p2p_nodes, rss_bytes
 
 from gasloc.peer.transport.channel import Channel, read_header
 from gasloc.peer.transport.exchange import ExchangeConfig, Exchanger, Outcome
+from gasloc.protocol.averaging import mix_pair_
 from gasloc.protocol.buckets import PeerHint
+from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     PROTOCOL_VERSION,
@@ -42,6 +45,7 @@ def tensors(seed, shapes=SHAPES):
 def exchanger(p2p, shapes=SHAPES, members=None, declines=lambda peer: None, swarm_key=None, hints_out=None,
               members_out=None, members_in=None, **cfg):
     cfg.setdefault("exchange_timeout_s", 10.0)
+    cfg.setdefault("codec", "float32")   # these tests check the transport to the bit; the codecs' test names its own
     return Exchanger(ExchangeConfig(**cfg), p2p, specs=[(s, torch.float32) for s in shapes], fingerprint=FP,
                      is_member=(lambda peer: True) if members is None else (lambda peer: str(peer) in members),
                      namespace=NS, declines=declines, swarm_key=swarm_key, hints_out=hints_out,
@@ -91,8 +95,8 @@ def test_exchange_fp32_bit_exact_both_ways_then_offer_is_used(min_stream_bytes):
 def test_exchange_16bit_wire_within_tolerance(wire_a, wire_b):
     async def main():
         async with p2p_nodes(2) as (a, b):
-            ea = exchanger(a, wire_dtype=wire_a, min_stream_bytes=1 << 16)      # several lanes, uneven shares
-            eb = exchanger(b, wire_dtype=wire_b)
+            ea = exchanger(a, codec=wire_a, min_stream_bytes=1 << 16)      # several lanes, uneven shares
+            eb = exchanger(b, codec=wire_b)
             await ea.start(), await eb.start()
             ta, tb = tensors(1), tensors(2)
             ea.offer(ta, 0), eb.offer(tb, 0)
@@ -108,6 +112,45 @@ def test_exchange_16bit_wire_within_tolerance(wire_a, wire_b):
                     if wire != "float32":
                         assert not torch.equal(x, y) or x.numel() <= 1
             want = payload_bytes(SPECS, wire_a)
+            assert want < res.bytes_sent < want + 4096 * 8
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec_a,codec_b", [("int4", "int4"), ("int8", "int4-rn"), ("int4", "float32"),
+                                             ("int8-p10", "int8-p10")])
+def test_exchange_codecs_decode_and_mix_keeps_the_pair_mean(codec_a, codec_b):
+    """Each side decodes the other's payload in the other's codec and gets its own as the partner decoded it; the
+    symmetric mix (protocol/averaging.py mix_pair_) keeps the pair's mean to float rounding; the bytes on the wire
+    are what the codec says (headers and verdicts aside)."""
+    async def main():
+        async with p2p_nodes(2) as (a, b):
+            ea = exchanger(a, codec=codec_a, min_stream_bytes=1 << 12)
+            eb = exchanger(b, codec=codec_b)
+            await ea.start(), await eb.start()
+            ta, tb = tensors(1), tensors(2)
+            ea.offer(ta, 0), eb.offer(tb, 0)
+            res = await ea.exchange(b.peer_id)
+            inc = await eb.wait_incoming(5)
+            assert res.ok and inc.ok, (res.detail, inc and inc.detail)
+            for got, sent, codec in ((res.tensors, tb, codec_b), (inc.tensors, ta, codec_a)):
+                c = parse_codec(codec)
+                for x, y in zip(got, sent):
+                    step = y.abs().max() / ((1 << (c.bits - 1)) - 1) if c.block else 0.0
+                    if c.sparse:   # blocks not sent decode to our own wire form, not the partner's
+                        continue
+                    assert x.shape == y.shape and (x - y).abs().max() <= step * 1.01 + 1e-6
+            own_a, own_b = res.own_wire, inc.own_wire
+            assert (own_a is None) == parse_codec(codec_a).lossless and (own_b is None) == parse_codec(codec_b).lossless
+            mean_before = [(x + y) / 2 for x, y in zip(ta, tb)]
+            za = mix_pair_([t.clone() for t in res.tensors], ta, own_a, 0.5)
+            zb = mix_pair_([t.clone() for t in inc.tensors], tb, own_b, 0.5)
+            for x, y, m in zip(za, zb, mean_before):
+                assert torch.allclose((x + y) / 2, m, atol=1e-6, rtol=0)
+            if not parse_codec(codec_a).sparse:   # the pair came closer: both rounded forms moved toward each other
+                before = sum(float((x - y).norm()) for x, y in zip(ta, tb))
+                assert sum(float((x - y).norm()) for x, y in zip(za, zb)) < 0.5 * before
+            want = parse_codec(codec_a).payload_bytes([math.prod(s) for s in SHAPES])
             assert want < res.bytes_sent < want + 4096 * 8
     arun(main())
 
@@ -177,7 +220,7 @@ async def raw_request(p2p, peer, frame: bytes, read_reply=True):
 
 
 def request_frame(**over):
-    fields = dict(protocol_version=PROTOCOL_VERSION, fingerprint=FP, round=0, wire_dtype="float32",
+    fields = dict(protocol_version=PROTOCOL_VERSION, fingerprint=FP, round=0, codec="float32",
                   specs=tuple(SPECS), total_bytes=payload_bytes(SPECS, "float32"))
     fields.update(over)
     return encode_header(ExchangeRequest(**fields))
@@ -199,7 +242,7 @@ def test_garbage_requests_get_codes_and_change_nothing():
                 (request_frame(specs=tuple(SPECS[:2]), total_bytes=payload_bytes(SPECS[:2], "float32")),
                  Code.BAD_SHAPE),
                 (request_frame(specs=(TensorSpec(shape=(300, 500), dtype="float64"), *SPECS[1:])), Code.BAD_DTYPE),
-                (request_frame(wire_dtype="int8"), Code.BAD_DTYPE),
+                (request_frame(codec="float64"), Code.BAD_DTYPE),
                 (request_frame(fingerprint="someone-else"), Code.BAD_FINGERPRINT),
                 (request_frame(protocol_version=PROTOCOL_VERSION + 1), Code.BAD_VERSION),
                 (request_frame(total_bytes=1 << 40), Code.TOO_LARGE),
@@ -240,7 +283,7 @@ def test_garbage_requests_get_codes_and_change_nothing():
 def test_nan_partner_rejected_on_both_sides_offer_stays_usable():
     async def main():
         async with p2p_nodes(3) as (a, b, c):
-            ea, eb, ec = exchanger(a), exchanger(b, wire_dtype="float16"), exchanger(c)
+            ea, eb, ec = exchanger(a), exchanger(b, codec="float16"), exchanger(c)
             for e in (ea, eb, ec):
                 await e.start()
             ta = tensors(1)
@@ -515,7 +558,7 @@ def test_recycled_tensors_are_reused_and_fast_partners_get_fewer_streams():
         async with p2p_nodes(2) as (a, b):
             # every partner counts as "fast" after one exchange: 1 byte/s is enough
             ea = exchanger(a, min_stream_bytes=4096, max_streams=16, fast_link_bytes_per_s=1.0, fast_link_streams=2)
-            eb = exchanger(b, wire_dtype="bfloat16")
+            eb = exchanger(b, codec="bfloat16")
             await ea.start(), await eb.start()
             ptr_a = ptr_b = None  # the memory the previous round received into
             for rnd in range(3):

@@ -47,7 +47,7 @@ SPECS = (TensorSpec(shape=(64, 32), dtype="float32"), TensorSpec(shape=(7,), dty
 FP = "0123456789abcdef"
 VALID = {
     ExchangeRequest: ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint=FP, round=3,
-                                     wire_dtype="float32", specs=SPECS, total_bytes=payload_bytes(SPECS, "float32")),
+                                     codec="float32", specs=SPECS, total_bytes=payload_bytes(SPECS, "float32")),
     ExchangeReply: ExchangeReply(protocol_version=PROTOCOL_VERSION, code=0, fingerprint=FP, specs=SPECS,
                                  total_bytes=payload_bytes(SPECS, "float32"), token="t" * 32),
     LaneHello: LaneHello(protocol_version=PROTOCOL_VERSION, token="t" * 32, lane=1),

@@ -78,7 +78,7 @@ def test_forged_foreign_expired_and_misplaced_handed_records_are_refused_and_nev
 def test_too_many_or_oversize_handed_records_make_the_reply_invalid():
     def reply(members):
         return ExchangeReply.model_construct(protocol_version=PROTOCOL_VERSION, code=int(Code.BUSY), message="",
-                                             fingerprint="f", round=0, wire_dtype="float32", specs=(), total_bytes=0,
+                                             fingerprint="f", round=0, codec="float32", specs=(), total_bytes=0,
                                              token="", auth="", peers=(), members=members, kind="exchange_reply")
     assert decode_header(encode_header(reply((WIDEST_MEMBER,) * MAX_WIRE_MEMBERS))[4:], ExchangeReply).members
     for members in ((WIDEST_MEMBER,) * (MAX_WIRE_MEMBERS + 1),

@@ -36,7 +36,7 @@ CAP = payload_bytes(SPECS, "float32")
 
 
 def request(**over):
-    fields = dict(protocol_version=PROTOCOL_VERSION, fingerprint=FP, round=3, wire_dtype="float32",
+    fields = dict(protocol_version=PROTOCOL_VERSION, fingerprint=FP, round=3, codec="float32",
                   specs=tuple(SPECS), total_bytes=payload_bytes(SPECS, "float32"))
     fields.update(over)
     return ExchangeRequest(**fields)
@@ -97,7 +97,7 @@ def test_oversized_or_empty_header_length_rejected_before_reading_the_body():
     with pytest.raises(WireError):
         parse_length(b"\x00\x01")
     assert parse_length(struct.pack(">I", MAX_HEADER_BYTES)) == MAX_HEADER_BYTES
-    huge = ExchangeRequest(protocol_version=1, fingerprint=FP, round=0, wire_dtype="float32",
+    huge = ExchangeRequest(protocol_version=1, fingerprint=FP, round=0, codec="float32",
                            specs=tuple(TensorSpec(shape=(1,), dtype="float32") for _ in range(60_000)), total_bytes=0)
     with pytest.raises(ValueError, match="MAX_HEADER_BYTES"):
         encode_header(huge)
@@ -111,16 +111,16 @@ def check(req, **kw):
 
 def test_check_request_every_rule():
     assert check(request()) == Code.OK
-    assert check(request(wire_dtype="bfloat16", total_bytes=payload_bytes(SPECS, "bfloat16"))) == Code.OK
+    assert check(request(codec="bfloat16", total_bytes=payload_bytes(SPECS, "bfloat16"))) == Code.OK
     assert check(request(fingerprint="other")) == Code.BAD_FINGERPRINT
-    assert check(request(wire_dtype="int8")) == Code.BAD_DTYPE
+    assert check(request(codec="int7")) == Code.BAD_DTYPE
     assert check(request(total_bytes=1 << 40)) == Code.TOO_LARGE
     assert check(request(), max_bytes=CAP - 1) == Code.TOO_LARGE
     assert check(request(specs=tuple(SPECS[:2]))) == Code.BAD_SHAPE
     assert check(request(specs=(TensorSpec(shape=(3, 4), dtype="float32"), *SPECS[1:]))) == Code.BAD_SHAPE
     assert check(request(specs=(TensorSpec(shape=(4, 3), dtype="float64"), *SPECS[1:]))) == Code.BAD_DTYPE
     assert check(request(total_bytes=CAP - 4)) == Code.BAD_HEADER          # inconsistent with the specs
-    assert check(request(wire_dtype="float16")) == Code.BAD_HEADER         # fp32 size declared for fp16 wire
+    assert check(request(codec="float16")) == Code.BAD_HEADER         # fp32 size declared for fp16 wire
 
 
 def test_check_order_oversize_wins_over_shape_and_fingerprint_wins_over_all():
@@ -131,7 +131,7 @@ def test_check_order_oversize_wins_over_shape_and_fingerprint_wins_over_all():
 
 
 def test_check_reply():
-    ok = ExchangeReply(protocol_version=1, code=0, fingerprint=FP, wire_dtype="float16", specs=tuple(SPECS),
+    ok = ExchangeReply(protocol_version=1, code=0, fingerprint=FP, codec="float16", specs=tuple(SPECS),
                        total_bytes=payload_bytes(SPECS, "float16"))
     assert check_reply(ok, expected_specs=SPECS, fingerprint=FP, max_bytes=CAP)[0] == Code.OK
     busy = ExchangeReply(protocol_version=1, code=int(Code.BUSY), message="no offer")

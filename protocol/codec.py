@@ -1,0 +1,253 @@
+"""Wire codecs of the pairwise exchange: how a peer's tensors become bytes and back. Pure tensor math, no I/O.
+
+A codec is named by one string that travels in the exchange header (`ExchangeRequest.codec`), so a receiver knows
+exactly how to read the payload and how many bytes it must be:
+
+    float32 | float16 | bfloat16     a cast (float32 is lossless for an fp32 model)
+    int<b>[-b<block>][-p<pct>][-sr|-rn]
+                                     blockwise: b in {2, 3, 4, 8} bits a value, one fp16 scale per `block` values
+                                     (default 64), stochastic (sr, the default) or nearest (rn) rounding; with
+                                     -p<pct>, only pct % of the blocks travel (seeded sparse averaging, below)
+
+Blockwise layout of one tensor (n values, padded with zeros to nb = ceil(n / block) blocks):
+
+    [nb fp16 scales][nb * block codes of b bits, packed little-end first]
+
+A code c in [0, 2^b - 2] stands for (c - qmax) * scale with qmax = 2^(b-1) - 1; the scale is the block's absolute
+maximum / qmax, rounded to fp16 (and used rounded, so sender and receiver agree to the bit). The all-ones code is
+never written. int4 is 4 + 16/64 = 4.25 bits a parameter, int8 8.25.
+
+Seeded sparse averaging (`-p<pct>`): both sides of one exchange send the same ceil(pct/100 * nb) blocks of each
+tensor, chosen by a seed both derive from the exchange (`block_choice`), so no indices travel; a payload is the
+chosen blocks' scales and codes in the chosen order. The receiver decodes them over a copy of its own wire form
+(`decode(..., fill=...)`), so everything not chosen mixes as identical and only the chosen blocks move this round.
+int8-p10 is 0.1 * 8.25 = 0.83 bits a parameter.
+
+Why stochastic rounding: the exchange mixes the wire form of both sides (`protocol/averaging.py` `mix_pair_`:
+z_i = y_i + w (Q(y_j) - Q(y_i))), so the pair's mean is exact whatever Q does, and what Q costs is only how well the
+pair comes together. With nearest rounding two close models round to the same codes, Q(y_j) - Q(y_i) is 0 where they
+differ by less than a step, and those coordinates never mix; stochastic rounding makes E[Q(y)] = y, so every
+coordinate mixes in expectation, with noise of at most a step (measured: docs/codecs.md).
+
+Decoding checks nothing but sizes: the receiver checks the decoded values are finite (a NaN or Inf scale decodes to
+NaN), and the guard judges the decoded tensors.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from gasloc.protocol.messages import MAX_CODEC_CHARS
+
+# the exchange's default (docs/codecs.md: chosen by measurement)
+DEFAULT_CODEC = "int4"
+DEFAULT_BLOCK = 64
+CASTS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+BLOCK_BITS = (2, 3, 4, 8)
+_BLOCKWISE = re.compile(r"^int(?P<bits>\d)(?:-b(?P<block>\d{1,5}))?(?:-p(?P<pct>\d{1,2}))?(?:-(?P<rounding>sr|rn))?$")
+
+
+class CodecError(ValueError):
+    """A codec name or payload we cannot read (the exchange answers BAD_DTYPE / BAD_HEADER)."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One wire codec. `name` is what the header carries; everything else follows from it (`parse`)."""
+    name: str
+    bits: int                 # bits a value (cast: the dtype's width)
+    block: int = 0            # values per fp16 scale (0: a cast)
+    stochastic: bool = False  # rounding of blockwise codes
+    percent: int = 100        # share of the blocks that travel (seeded sparse averaging), in percent
+
+    @property
+    def lossless(self) -> bool:
+        """Decoding gives back the fp32 tensor exactly."""
+        return self.name == "float32"
+
+    @property
+    def cast(self) -> torch.dtype | None:
+        return CASTS.get(self.name)
+
+    @property
+    def sparse(self) -> bool:
+        """Only some blocks travel: encode and decode need the exchange's seed (`block_choice`)."""
+        return self.percent < 100
+
+    def blocks_sent(self, numel: int) -> int:
+        nb = -(-numel // self.block)
+        return nb if not self.sparse else -(-nb * self.percent // 100)
+
+    def tensor_bytes(self, numel: int) -> int:
+        """Payload bytes of one tensor of `numel` values."""
+        if self.cast is not None:
+            return numel * self.bits // 8
+        nb = self.blocks_sent(numel)
+        return 2 * nb + _packed_bytes(nb * self.block, self.bits)
+
+    def block_choice(self, numel: int, seed: int) -> torch.Tensor | None:
+        """Sparse: the indices of the blocks that travel, the same on both sides for the same seed (None: all)."""
+        if not self.sparse:
+            return None
+        nb = -(-numel // self.block)
+        return torch.randperm(nb, generator=torch.Generator().manual_seed(seed))[:self.blocks_sent(numel)]
+
+    def payload_bytes(self, numels: Sequence[int]) -> int:
+        return sum(self.tensor_bytes(n) for n in numels)
+
+    def bits_per_param(self, numels: Sequence[int]) -> float:
+        """What a payload of these tensors costs, scales and padding included."""
+        return 8 * self.payload_bytes(numels) / max(1, sum(numels))
+
+    # ---- encode / decode, one tensor at a time ----
+
+    @torch.no_grad()
+    def encode(self, t: torch.Tensor, out: torch.Tensor | None = None, generator: torch.Generator | None = None,
+               seed: int | None = None) -> torch.Tensor:
+        """`t` (any float dtype, any device) as payload bytes: a uint8 CPU tensor of `tensor_bytes(t.numel())`,
+        written into `out` when given. Stochastic rounding draws from `generator` (None: torch's default); a
+        sparse codec sends the blocks `block_choice(numel, seed)` picks."""
+        n = t.numel()
+        size = self.tensor_bytes(n)
+        if out is None:
+            out = torch.empty(size, dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or out.numel() != size:
+            raise CodecError(f"{self.name}: output buffer of {out.numel()} bytes, need {size}")
+        if self.cast is not None:
+            out.view(self.cast).copy_(t.detach().reshape(-1))
+            return out
+        x = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        nb = -(-n // self.block)
+        if nb * self.block != n:
+            x = torch.nn.functional.pad(x, (0, nb * self.block - n))
+        xb = x.view(nb, self.block)
+        if self.sparse:
+            if seed is None:
+                raise CodecError(f"{self.name}: a sparse codec encodes with the exchange's seed")
+            xb = xb[self.block_choice(n, seed)]
+            nb = xb.shape[0]
+        qmax = (1 << (self.bits - 1)) - 1
+        scales = out[:2 * nb].view(torch.float16)
+        torch.div(xb.abs().amax(dim=1), qmax, out=scales)   # fp16: what the receiver reads back
+        s = scales.float()
+        s[s == 0] = 1.0                                     # an all-zero block: codes qmax, decoded 0
+        q = xb / s.unsqueeze(1)
+        if self.stochastic:
+            q.add_(torch.rand(q.shape, generator=generator)).floor_()
+        else:
+            q.round_()
+        codes = q.clamp_(-qmax, qmax).add_(qmax).to(torch.uint8)
+        _pack(codes.view(-1), self.bits, out[2 * nb:])
+        return out
+
+    @torch.no_grad()
+    def decode(self, payload: torch.Tensor, out: torch.Tensor, seed: int | None = None,
+               fill: torch.Tensor | None = None) -> torch.Tensor:
+        """Payload bytes (a uint8 CPU tensor of exactly `tensor_bytes(out.numel())`) into `out` (its shape and
+        dtype stay; any device). A sparse codec writes the chosen blocks over `fill` (what the rest of `out`
+        becomes: the receiver's own wire form, so that the blocks not sent mix as identical)."""
+        n = out.numel()
+        if payload.dtype != torch.uint8 or payload.numel() != self.tensor_bytes(n):
+            raise CodecError(f"{self.name}: {payload.numel()} payload bytes for {n} values, expected "
+                             f"{self.tensor_bytes(n)}")
+        flat = out.view(-1)
+        if self.cast is not None:
+            flat.copy_(payload.view(self.cast), non_blocking=True)
+            return out
+        nb = self.blocks_sent(n)
+        qmax = (1 << (self.bits - 1)) - 1
+        scales = payload[:2 * nb].view(torch.float16).float()
+        codes = _unpack(payload[2 * nb:], self.bits, nb * self.block)
+        vals = codes.view(nb, self.block).float().sub_(qmax).mul_(scales.unsqueeze(1))
+        if self.sparse:
+            if seed is None or fill is None or fill.numel() != n:
+                raise CodecError(f"{self.name}: a sparse codec decodes with the exchange's seed over a fill")
+            full = torch.nn.functional.pad(fill.detach().reshape(-1).to("cpu", torch.float32),
+                                           (0, -(-n // self.block) * self.block - n))
+            full.view(-1, self.block)[self.block_choice(n, seed)] = vals
+            vals = full
+        flat.copy_(vals.view(-1)[:n], non_blocking=True)
+        return out
+
+
+def parse(name: str) -> Codec:
+    """The codec a name stands for; CodecError names what is wrong with it."""
+    if not isinstance(name, str) or len(name) > MAX_CODEC_CHARS:
+        raise CodecError(f"codec name must be a string of at most {MAX_CODEC_CHARS} characters")
+    return _parse(name)
+
+
+@lru_cache(maxsize=64)
+def _parse(name: str) -> Codec:
+    if name in CASTS:
+        return Codec(name, bits=torch.finfo(CASTS[name]).bits)
+    m = _BLOCKWISE.match(name)
+    if not m:
+        raise CodecError(f"unknown codec {name!r}: float32, float16, bfloat16 or int<bits>[-b<block>][-sr|-rn]")
+    bits, block = int(m["bits"]), int(m["block"] or DEFAULT_BLOCK)
+    if bits not in BLOCK_BITS:
+        raise CodecError(f"codec {name!r}: {bits} bits a value, supported {list(BLOCK_BITS)}")
+    if not 8 <= block <= 4096 or block % 8:
+        raise CodecError(f"codec {name!r}: block {block}, must be a multiple of 8 in 8..4096")
+    pct = int(m["pct"] or 100)
+    if not 1 <= pct <= 100:
+        raise CodecError(f"codec {name!r}: -p{pct}, the share of blocks sent must be 1..99 percent")
+    return Codec(name, bits=bits, block=block, stochastic=m["rounding"] != "rn", percent=pct)
+
+
+def check_name(name: str) -> str:
+    """For config validators: the name if it parses, else a ValueError that says why."""
+    parse(name)
+    return name
+
+
+# ---- bit packing: codes are < 2^bits; `per` codes make `per * bits / 8` whole bytes ----
+
+def _group(bits: int) -> int:
+    return 8 // math.gcd(8, bits)
+
+
+def _packed_bytes(ncodes: int, bits: int) -> int:
+    per = _group(bits)
+    return -(-ncodes // per) * per * bits // 8
+
+
+def _pack(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    if bits == 8:
+        out.copy_(codes)
+        return
+    if bits == 4:  # the common case, without the wide accumulator: two codes a byte
+        torch.bitwise_or(codes[0::2], codes[1::2] << 4, out=out)
+        return
+    per = _group(bits)
+    c = codes.view(-1, per).to(torch.int32)   # blocks are multiples of 8 codes, so whole groups
+    acc = torch.zeros(c.shape[0], dtype=torch.int32)
+    for k in range(per):
+        acc |= c[:, k] << (bits * k)
+    nbytes = per * bits // 8
+    view = out.view(-1, nbytes)
+    for j in range(nbytes):
+        view[:, j] = (acc >> (8 * j)) & 0xFF
+
+
+def _unpack(payload: torch.Tensor, bits: int, ncodes: int) -> torch.Tensor:
+    if bits == 8:
+        return payload
+    if bits == 4:
+        codes = torch.empty(ncodes, dtype=torch.uint8)
+        torch.bitwise_and(payload, 0x0F, out=codes[0::2])
+        torch.bitwise_right_shift(payload, 4, out=codes[1::2])
+        return codes
+    per = _group(bits)
+    nbytes = per * bits // 8
+    b = payload.view(-1, nbytes).to(torch.int32)
+    acc = torch.zeros(b.shape[0], dtype=torch.int32)
+    for j in range(nbytes):
+        acc |= b[:, j] << (8 * j)
+    mask = (1 << bits) - 1
+    return torch.stack([(acc >> (bits * k)) & mask for k in range(per)], dim=1).view(-1)[:ncodes]

@@ -122,9 +122,24 @@ class SwarmConfig(_Section):
     join_from_peers: bool = Field(True, description="a peer joining a running swarm (and not resuming a "
                                   "checkpoint) downloads the current parameters from a live peer")
     join_donor_pool: int = Field(3, ge=1, description="a joiner picks its donor at random among this many live "
-                                 "peers with the most rounds (an announced round is a claim: the peer claiming the "
-                                 "most is not always the donor), checks the state on a local batch and, if it is "
-                                 "worse than a fresh model, tries another, at most this many times")
+                                 "peers it has seen longest (tenure, its own observation; an announced round orders "
+                                 "nothing), checks the state on batches of its own and, if it is worse than its "
+                                 "own model, tries another, at most this many times")
+    join_cross_check: bool = Field(True, description="download a second donor's state too and compare: within "
+                                   "join_agree of each other they confirm each other, else the one with the lower "
+                                   "loss on batches only this peer knows is adopted (a joiner downloads twice)")
+    join_agree: float = Field(0.2, gt=0, description="join_cross_check: two donors' states agree when their "
+                              "relative distance ||a - b|| / ||b|| is at most this (honest peers of one swarm: "
+                              "below guard.first_rounds_tau)")
+    join_check_batches: int = Field(2, ge=1, description="batches drawn privately from this peer's own data "
+                                    "(never the validation batches every peer shares) on which a donor's state is "
+                                    "checked")
+    round_claim_slack: int = Field(5, ge=0, description="another peer's announced round is believed up to the "
+                                   "median of the rounds already believed plus this when it is first seen, and "
+                                   "from then on up to this plus round_claim_speedup rounds per round of ours; what "
+                                   "is over is cut (behind resyncs, donor choice, the round and lr a joiner takes)")
+    round_claim_speedup: float = Field(4.0, gt=0, description="how many times faster than us another peer's "
+                                       "rounds may advance before its claims are cut (round_claim_slack)")
     join_timeout_s: float = Field(120.0, gt=0, description="give up downloading the state after this long and "
                                   "start from a fresh model")
     join_listing_wait_s: float = Field(3.0, ge=0, description="a joiner whose first listing names no other peer "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
 import secrets
 import signal
@@ -35,11 +36,12 @@ from gasloc.peer.swarm.absence import resync_due
 from gasloc.peer.swarm.gossip import Background
 from gasloc.peer.swarm.network import Network, PeerStatus
 from gasloc.peer.swarm.round_report import RoundExchange, relative_distance
-from gasloc.peer.train.data import build_data, evaluate
+from gasloc.peer.train.data import build_data, evaluate, private_batches
 from gasloc.peer.train.inner import make_inner_optimizer, run_inner_phase
 from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
 from gasloc.peer.train.outer import make_outer
 from gasloc.protocol.averaging import group_mean_weight, mix_pair_
+from gasloc.protocol.donors import adopted_round, cross_check
 from gasloc.protocol.guard import DistanceHistory, FarStreak, Verdict, catch_up_due, swarm_ahead
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.procs import StopSignals
@@ -270,34 +272,54 @@ class Peer:
         return self._adopt_swarm_state()
 
     def _adopt_swarm_state(self) -> str | None:
-        """Download a live peer's parameters, outer state and round count and take them over (the inner optimizer
-        and the data position stay ours); the donor's id, or None when no donor delivered. The state must be no
-        worse on a local batch than our own model (a fresh one for a joiner, our trained one for a resync) by
-        guard.val_margin."""
+        """Download the swarm's parameters and round and take them over; the donor's id (the transport's), or None
+        when no donor delivered. Our inner optimizer and data position stay ours, and so does our outer state: it
+        is reset to the adopted parameters (a donor's momentum is never adopted: a shifted z_prev would jump the
+        model at our next outer step).
+
+        Each state is checked on batches only we know (data.private_batches: the validation batches are the same
+        for every peer, so a state could be tuned to pass them): no worse than our own model (a fresh one for a
+        joiner, our trained one for a resync) by guard.val_margin. With swarm.join_cross_check a second donor's
+        state is downloaded too, and the two are compared by distance (protocol/donors.py cross_check). The round
+        taken over is the lower of the donors' rounds, cut to what we believe of the donor (protocol/claims.py)."""
+        swarm = self.cfg.swarm
+        checks = private_batches(self.data, swarm.join_check_batches)
+        own_loss = self._evaluate_at(self.params, checks)
         tried: set[str] = set()
-        own_loss = evaluate(self.model, self.val_batches[:1], autocast_for(self.device))
-        for _ in range(self.cfg.swarm.join_donor_pool):
+        states: list[tuple[str, int, list[torch.Tensor], float]] = []   # (donor, round, params, loss) that passed
+        for _ in range(swarm.join_donor_pool + (1 if swarm.join_cross_check else 0)):
             got = self.net.download_state(self.params, self.outer, exclude=tried)
             if got is None:
-                return None
-            donor, metadata, params, outer_state = got
-            tried.add(donor)
-            # the donor's sha256 proves transit integrity only: check what it sent on a batch of our own
-            loss = self._evaluate_at([t.to(self.device) for t in params], self.val_batches[:1])
-            if torch.isfinite(torch.tensor(loss)) and loss <= own_loss * (1 + self.cfg.guard.val_margin):
                 break
-            log.warning("join: rejected the state of %s code=DISTRUSTED: its loss on a local batch is %.4f, our "
-                        "own model's %.4f; trying another donor", _short(donor), loss, own_loss)
-        else:
+            donor, metadata, params = got
+            tried.add(donor)
+            params = [t.to(self.device) for t in params]
+            # the donor's sha256 proves transit integrity only: check what it sent on batches of our own
+            loss = self._evaluate_at(params, checks)
+            if not (math.isfinite(loss) and loss <= own_loss * (1 + self.cfg.guard.val_margin)):
+                log.warning("join: rejected the state of %s code=DISTRUSTED: its loss on our own batches is %.4f, "
+                            "our own model's %.4f; trying another donor", _short(donor), loss, own_loss)
+                continue
+            states.append((donor, int(metadata["round"]), params, loss))
+            if len(states) == (2 if swarm.join_cross_check else 1):
+                break
+        if not states:
             return None
+        donor, _, params, _ = states[0]
+        if len(states) == 2:
+            (a, _, pa, la), (b, _, pb, lb) = states
+            check = cross_check(relative_distance(pb, pa), la, lb, agree=swarm.join_agree)
+            donor, params = (a, pa) if check.first else (b, pb)
+            log.log(logging.INFO if check.agreed else logging.WARNING, "join: cross-check of %s and %s: %s; "
+                    "adopting %s", _short(a), _short(b), check.reason, _short(donor))
+        elif swarm.join_cross_check:
+            log.info("join: no second donor to cross-check %s against", _short(donor))
         with torch.no_grad():
             for p, t in zip(self.params, params):
-                p.copy_(t.to(p.device))
-        if outer_state:
-            self.outer.load_state_dict({k: v.to(self.device) for k, v in outer_state.items()}, self.params)
-        else:
-            self.outer.reset(self.params)
-        self.round = int(metadata.get("round", 0))
+                p.copy_(t)
+        self.outer.reset(self.params)
+        believed = self.net.believed_rounds().get(donor)
+        self.round = adopted_round([r for _, r, _, _ in states], believed)
         self.guard.clear()  # a new model: distances measured from the old one say nothing (fresh-joiner rule)
         self._far.clear()
         return donor
@@ -338,8 +360,9 @@ class Peer:
         return True
 
     def _listed_rounds(self) -> list[int]:
-        """The rounds the other training peers announce (claims: they only ever make us download a checked state)."""
-        return [r.round for r in self.net.live.values() if r.state != "joining"] if self.net is not None else []
+        """The rounds the other training peers announce, as far as we believe them (protocol/claims.py: a claim
+        far past the swarm's plausible progress is cut); they only ever make us download a checked state."""
+        return list(self.net.believed_rounds().values()) if self.net is not None else []
 
     def _catch_up_at_resume(self) -> None:
         """Resumed from our checkpoint while the swarm went on: when the listed peers' median round is more than
@@ -721,10 +744,10 @@ class Peer:
 
     def snapshot(self) -> tuple[dict, list[torch.Tensor]]:
         """A copy of what a joiner downloads, taken at a round boundary (params == the outer anchor), on the CPU:
-        metadata and the parameters followed by the outer state (metadata["num_outer"] of them)."""
+        metadata and the parameters. No outer state: a joiner never adopts a donor's momentum (_adopt_swarm_state),
+        and leaving it out halves the snapshot."""
         params = [p.detach().to("cpu", copy=True) for p in self.params]
-        outer_state = [v.detach().to("cpu", copy=True) for v in self.outer.state_dict().values()]
-        return {"round": self.round, "num_outer": len(outer_state), "peer_id": self.peer_id}, params + outer_state
+        return {"round": self.round, "num_outer": 0, "peer_id": self.peer_id}, params
 
     def _shutdown(self) -> None:
         # Leave the listing first, so nobody picks us as a partner while we stop; then the exchange (an exchange

@@ -11,7 +11,9 @@ checked by the stream proof, before this (a peer without the key could sign a re
 
 A withdrawal in the DHT does not revoke an inline record: only its owner can present it, on a stream it opened,
 so the caller is alive and calling; what a callee learns from it is that it was admitted to the run and when
-that admission ends.
+that admission ends. That end is the owner's choice (the signature covers any expiration, a century away
+included), so the network keeps an admitted record at most a few of its own TTLs (peer/swarm/network.py
+`_join_view`, protocol/claims.py `expiry_cap`).
 
 Checked records are cached by their signed bytes, so a caller that calls again (every round) costs a dict lookup,
 not a signature verification.

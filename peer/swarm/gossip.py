@@ -34,7 +34,7 @@ from hivemind.p2p import PeerID
 from gasloc.peer.swarm.round_report import RoundExchange
 from gasloc.peer.transport.exchange import NO_FREE_OFFER, Exchanger, ExchangeResult, Outcome
 from gasloc.protocol.guard import TrustBook
-from gasloc.protocol.partners import Backoff
+from gasloc.protocol.partners import Backoff, peers_to_avoid
 from gasloc.protocol.search import Call, Finish, PartnerPolicy, SearchRules, Sight, Wait
 
 log = logging.getLogger(__name__)
@@ -107,12 +107,30 @@ class GossipAveraging:
 
     def _declines(self, peer_id: PeerID) -> str | None:
         """The exchanger asks before accepting a caller: why to answer it busy, or None to accept."""
-        peer = str(peer_id)
+        return self._declines_peer(str(peer_id))
+
+    def _declines_peer(self, peer: str) -> str | None:
+        if self._recent_caller(peer):
+            return "a recent partner: others first for the first half of our search (swarm.avoid_recent_partners)"
         if self.policy.distrusted(peer, time.monotonic(), self.net.in_sight()):
             return "distrusted: its recent mixes were clipped or rejected (guard.busy_below)"
         if self.policy.declines(peer, self.exchanger.rate(peer), self.own_link(), time.monotonic()):
             return "waiting for a partner on a link like ours"
         return None
+
+    def _recent_caller(self, peer: str) -> bool:
+        """Whether a caller is one of the recent partners our own search passes over now (protocol/partners.py
+        peers_to_avoid, on the same inputs as Search.next): the responder is as fair as the caller. Without it a
+        peer that calls at once every round (an always-ready Sybil, or a partner that finishes with us) took our
+        free offer every round, whatever our own search would have chosen."""
+        s = self.policy.search
+        if s is None or not self.policy.recent:
+            return False
+        now = time.monotonic()
+        live = {q for q in self.net.in_sight() if not self.policy.backoff.blocked(q, now)} | {peer}
+        training, half = self.net.ready_at(now), s.start + s.window_s / 2
+        soon = {q for q in live if q not in training or training[q] <= half}
+        return peer in peers_to_avoid(self.policy.recent, live, now - s.start, s.window_s, soon=soon)
 
     def _result(self, fut: concurrent.futures.Future, round: int) -> RoundExchange:
         limit = self.cfg.swarm.partner_deadline_s + self.cfg.exchange.exchange_timeout_s + 10

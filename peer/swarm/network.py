@@ -1,5 +1,8 @@
 """The peer's network side: one DHT (and so one p2pd) per peer, the p2p replica that the Exchanger and the state
-server use, the membership record and its refresh, and the state download of a joining peer.
+server use, the membership record and its refresh, and our view of the swarm (who is live, who is ready, which
+claims of theirs we believe). Two parts live in their own modules, mixed into Network: reachability (the NAT probe,
+forwarders, whom we call: peer/swarm/reachability.py) and joining (the state server and a joiner's download:
+peer/swarm/joining.py, its donor policy protocol/donors.py).
 
 Every coroutine here runs on the peer's event loop (runtime/aio.py); the methods without `async` are called from the
 training thread and hand work to that loop with a deadline.
@@ -9,27 +12,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from gasloc import __version__
 from gasloc.peer.swarm.absence import AbsenceWatch
 from gasloc.peer.swarm.admission import Admission
-from gasloc.peer.swarm.forward import RelayService, RoutedP2P, probe, probe_addrs, relay_handler_name
+from gasloc.peer.swarm.forward import RelayService, RoutedP2P
+from gasloc.peer.swarm.joining import Joining
 from gasloc.peer.swarm.membership import (
     DHT_CACHE_NEAREST,
-    BucketReader,
     IdentityError,
     Membership,
     PeerRecord,
@@ -40,12 +41,13 @@ from gasloc.peer.swarm.membership import (
     peer_id_of,
     status_view,
 )
+from gasloc.peer.swarm.reachability import Reachability
 from gasloc.peer.swarm.signed_hints import SignedRecords
 from gasloc.peer.swarm.swarmkey import load_swarm_key
 from gasloc.protocol.auth import SwarmKeyError
 from gasloc.protocol.buckets import HintBook, PeerHint, listing_interval_s, pick_hints
+from gasloc.protocol.claims import RoundClaims, expiry_cap, frozen_records, ready_max_age_s, stale_ready
 from gasloc.protocol.messages import PROTOCOL_VERSION, WireMember
-from gasloc.protocol.reach import probed_reachability, record_reach, reprobe_due, reprobed_reachability, route
 from gasloc.runtime.aio import LoopThread
 from gasloc.runtime.identity import write_identity_file
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
@@ -59,11 +61,10 @@ log = logging.getLogger(__name__)
 LIST_IDLE_S = 60.0  # a swarm read a bucket at a time is listed when a search starts; between searches at most
                    # this often (a peer with long rounds keeps its view, estimate and forwarders current)
 SEARCH_FRESH_S = 1.0  # a search that starts within this long of the last listing lists no more than that one
+MAX_TTL_FACTOR = 4.0  # a record is kept at most this many of our announce_ttl_s past when we checked it, and one
+                      # whose announcement time has not changed for that long is dropped (protocol/claims.py)
 LEGACY_CHECK_S = 30.0  # how often the single key of the older layout is checked for peers of an older gasloc
 NOT_MEMBER_CACHE_S = 5.0  # a caller whose record we did not find is not looked up again for this long
-REPROBE_CHECK_S = 5.0  # how often a running peer with reachability auto looks at its dialable addresses (one
-                       # control call to its p2pd); at most this late it notices a change (network.reprobe_every_s)
-JOIN_RELIST_S = 0.5  # a joiner whose first listing was empty lists again at this pace (swarm.join_listing_wait_s)
 
 
 def list_period_s(level: int, ttl_s: float) -> float:
@@ -90,7 +91,7 @@ async def _make_events() -> tuple[asyncio.Event, asyncio.Event]:
     return asyncio.Event(), asyncio.Event()  # created on the loop that waits on them
 
 
-class Network:
+class Network(Reachability, Joining):
     def __init__(self, cfg: PeerConfig, status: Callable[[], PeerStatus], emit: Callable[..., None] | None = None):
         self.cfg = cfg
         self.status = status  # what our record says about us, read at each announcement
@@ -102,6 +103,12 @@ class Network:
         self.state_server = None
         self._live: dict[str, PeerRecord] = {}     # compatible live peers we hold a record of (`live`)
         self._entered: dict[str, tuple[str, int, float]] = {}  # peer -> (state, round, DHT time it entered them)
+        # what we observed ourselves (monotonic clock), against which others' claims are weighed (protocol/claims.py)
+        self._seen_at: dict[str, float] = {}          # peer -> when we first saw it live: its tenure
+        self._seen_state: dict[str, tuple[str, int, float]] = {}  # peer -> (state, round, when we first saw them)
+        self._announced: dict[str, tuple[float, float]] = {}  # peer -> (its record's time, when we first saw it)
+        self.claims = RoundClaims(slack=cfg.swarm.round_claim_slack, speedup=cfg.swarm.round_claim_speedup)
+        self.max_record_ttl_s = MAX_TTL_FACTOR * cfg.swarm.announce_ttl_s
         self.records: dict[str, PeerRecord] = {}   # every record read (any configuration), until its expiration
         self.hints = HintBook()                    # peer exchange: who others told us is live (protocol/buckets.py)
         self.signed = SignedRecords()              # signed hints: records to pass on, and handed to us (unchecked)
@@ -285,140 +292,6 @@ class Network:
         log.info("membership level=%d buckets=%d estimate=%.0f in_sight=%d", self.membership.level,
                  1 << self.membership.level, self.membership.estimate.value, len(self.live))
 
-    # ------------------------------------------------------------------ reachability (protocol/reach.py)
-    def _learn_reachability(self, replica) -> tuple[bool, str]:
-        """(behind NAT?, how we know) by the dial-back probe of up to 5 peers: our initial peers first (a gasloc
-        bootstrap answers; a lone first peer has nobody else to ask), then live peers of the run whose record says
-        `direct` (whatever their configuration: every gasloc peer of the run answers probes)."""
-        net = self.cfg.network
-        addrs = probe_addrs(list(net.announce_maddrs) or self.maddrs)
-        listing = BucketReader(self.dht, run_id=self.cfg.swarm.run_id,
-                               request_timeout_s=min(10.0, self.cfg.swarm.announce_ttl_s / 3), beam=self._beam())
-        found = self.aio.run(listing.probe(), net.startup_timeout_s + 1) or {}
-        asked, answers = self.aio.run(self._ask_probers(replica, addrs, found), net.probe_timeout_s + 2)
-        self._probed_at, self._probed_addrs = time.monotonic(), addrs
-        return probed_reachability(bool(addrs), asked, answers)
-
-    async def _ask_probers(self, p2p, addrs: list[tuple[str, int]], records: dict[str, PeerRecord]
-                           ) -> tuple[int, list[bool]]:
-        """(probers asked, their answers): the same probe at start and while running."""
-        direct = [p for p, r in records.items() if r.reach == "direct" and p != self.peer_id]
-        probers = list(dict.fromkeys([*self._bootstrap_ids(), *direct]))[:5]
-        if not (addrs and probers):
-            return len(probers), []
-        net = self.cfg.network
-        return len(probers), await probe(p2p, relay_handler_name(self.cfg.swarm.run_id), probers, addrs,
-                                         net.probe_timeout_s)
-
-    async def _dialable_now(self) -> list[tuple[str, int]]:
-        """What the probe would ask probers to dial now: the announced addresses, else what libp2p reports."""
-        announced = list(self.cfg.network.announce_maddrs)
-        if announced:
-            return probe_addrs(announced)
-        return probe_addrs([str(m) for m in await self.p2p.get_visible_maddrs(latest=True)])
-
-    async def _reprober(self) -> None:
-        """Reachability auto, while running: probe again by protocol.reach.reprobe_due (every reprobe_every_s, and
-        at once when our addresses change), and switch when the verdict flips (`_switch_reach`)."""
-        every = self.cfg.network.reprobe_every_s
-        while True:
-            await asyncio.sleep(min(REPROBE_CHECK_S, every))
-            try:
-                addrs = await self._dialable_now()
-                why = reprobe_due(time.monotonic(), self._probed_at, every, addrs, self._probed_addrs)
-                if why is None:
-                    continue
-                self._probed_at, self._probed_addrs = time.monotonic(), addrs
-                # the wrapped P2P: a probe is no exchange, so RoutedP2P's `path` of the prober stays as it was
-                asked, answers = await self._ask_probers(self.p2p._p2p, addrs, self.live)
-                private, source = reprobed_reachability(self.private, bool(addrs), asked, answers)
-                log.info("reprobe reason=%s source=%s reachability=%s", why, source,
-                         "private" if private else "public")
-                if private != self.private:
-                    self._switch_reach(private, source, why)
-            except Exception as e:  # noqa: BLE001 - a daemon hiccup must not end re-probing for the peer's life
-                log.warning("reprobe failed (%s: %s); next try in %.0f s", type(e).__name__, e,
-                            min(REPROBE_CHECK_S, every))
-
-    def _switch_reach(self, private: bool, source: str, why: str) -> None:
-        """On the loop: the probe's verdict flipped. Behind NAT now: stop forwarding for others (their callers
-        could not reach us) and attach to forwarders, as at start; reachable again: detach and forward. Either way
-        announce at once. The DHT node keeps its mode: hivemind cannot switch a running node (a restart would
-        drop our connections, attachments and a running exchange), so a peer that moved behind NAT stays a DHT
-        server until it restarts - the log line says so."""
-        was = "private" if self.private else "public"
-        self.private, self.reach_source = private, source
-        self.relay.volunteer = self.cfg.network.forwarding and not private
-        if private:
-            self.relay.drop_attached()
-            self._keep_attached()
-        else:
-            self.relay.detach_all()
-        self._announce_wanted.set()
-        now, dht = "private" if private else "public", "client" if self.dht_client else "server"
-        log.info("reachability_changed from=%s to=%s source=%s reason=%s dht=%s (kept until restart)", was, now,
-                 source, why, dht)
-        self.emit("reachability", reachability=now, previous=was, reachability_source=source, reason=why,
-                  dht_mode=dht)
-
-    @property
-    def reach(self) -> str:
-        return record_reach(self.private, len(self.relay.via))
-
-    def _via_of(self, peer: str) -> list[str] | None:
-        """RoutedP2P's question: None to dial `peer` directly, else its forwarders."""
-        rec = self.live.get(peer)
-        if rec is None or rec.reach == "direct":
-            return None
-        # a forwarder of theirs that is us: we hold their attachment, so a direct stream rides on it
-        via = [f for f in rec.via if f != self.peer_id]
-        return via if len(via) == len(rec.via) else None
-
-    def uncallable(self) -> set[str]:
-        """Live peers we do not call (they call us, or nobody can reach them): protocol.reach.route."""
-        ours = "direct" if not self.private else self.reach
-        return {p for p, r in self.live.items() if route(ours, r.reach, r.via) is None}
-
-    def _bootstrap_ids(self) -> list[str]:
-        """Peer ids of our initial peers (a gasloc bootstrap answers probes and forwards; a peer id that turns
-        out to be a plain hivemind node just refuses, and we try the next)."""
-        ids = [m.rsplit("/p2p/", 1)[1] for m in self.cfg.network.initial_peers if "/p2p/" in m]
-        return [i for i in dict.fromkeys(ids) if i != self.peer_id and i not in self.live]
-
-    def nat_metrics(self) -> dict:
-        """For each round's metrics line: our record's reachability, forwarders held, what we forwarded so far."""
-        r = self.relay
-        if r is None:
-            return {}
-        return {"reach": self.reach, "via": len(r.via), "forwarded_bytes": r.forwarded_bytes,
-                "forwarded_circuits": r.forwarded_circuits}
-
-    async def _attach_now(self) -> None:
-        self._keep_attached()
-
-    def _via_shrank(self) -> None:
-        if self._announce_wanted is not None:
-            self._announce_wanted.set()
-
-    def _keep_attached(self) -> None:
-        if not self.private:
-            return
-        before = self.relay.via
-        candidates = [*self._bootstrap_ids(), *(p for p, r in self.live.items() if r.reach == "direct" and r.forwards)]
-        self.relay.keep_attached(candidates, self.cfg.network.attach_forwarders)
-        if self.relay.via != before:
-            self._announce_wanted.set()
-
-    def start_state_server(self) -> None:
-        from gasloc.peer.transport.state_transfer import StateServer
-
-        self.state_server = StateServer(self.p2p, self._get_state, self.fingerprint, self.cfg.swarm.run_id,
-                                        self.cfg.state_transfer, is_member=self.confirm_member,
-                                        swarm_key=self.swarm_key, hints_out=self.hints_for,
-                                        hints_in=self.heard, admit=self.admit_caller,
-                                        on_served=lambda **fields: self.emit("state_served", **fields))
-        self.aio.run(self.state_server.start(), self.cfg.network.startup_timeout_s)
-
     # ------------------------------------------------------------------ membership
     # Two background tasks own the DHT traffic, so no round ever awaits the DHT: a slow or frozen DHT node (its
     # RPCs time out after seconds) then delays what others learn about us, never our training or partner search.
@@ -488,9 +361,27 @@ class Network:
         for pid in gone:
             self.hints.forget(pid)         # a hint about it predates its withdrawal
         known = self.membership.prune({p: r for p, r in {**self.records, **(found or {})}.items() if p not in gone})
+        known = self._unfrozen(known)
         self.records = known
         self.live = self.membership.compatible(known)
         self._check_protocols(found or {}, starting=starting)
+
+    def _unfrozen(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """`records` minus those whose owner stopped re-announcing: an honest peer stores a new `time` every
+        announce_ttl_s / 3, so a record that has carried the same `time` for max_record_ttl_s of our own clock was
+        left behind (or stored with an expiration far ahead), whatever expiration the DHT holds for it
+        (protocol/claims.py frozen_records). Its first sighting is remembered while it keeps being read."""
+        now = time.monotonic()
+        for pid, r in records.items():
+            old = self._announced.get(pid)
+            if old is None or old[0] != r.time:
+                self._announced[pid] = (r.time, now)
+        if len(self._announced) > 8192:          # bounded: forget the sightings of peers we no longer read
+            self._announced = {p: v for p, v in self._announced.items() if p in records}
+        frozen = frozen_records({p: self._announced[p] for p in records}, now, self.max_record_ttl_s)
+        if frozen:
+            log.debug("records_frozen peers=%s", ",".join(sorted(frozen)))
+        return {p: r for p, r in records.items() if p not in frozen}
 
     def _check_protocols(self, records: dict[str, PeerRecord], *, starting: bool) -> None:
         """Peers of the run that speak another protocol: we cannot exchange with them, and across the change to
@@ -561,6 +452,37 @@ class Network:
             same = old is not None and old[:2] == (r.state, r.round)
             entered[pid] = (r.state, r.round, min(old[2], r.time) if same else r.time)
         self._live, self._entered = records, entered
+        now = time.monotonic()
+        self._seen_at = {pid: self._seen_at.get(pid, now) for pid in records}
+        seen = {}
+        for pid, r in records.items():
+            old = self._seen_state.get(pid)
+            seen[pid] = old if old is not None and old[:2] == (r.state, r.round) else (r.state, r.round, now)
+        self._seen_state = seen
+        self.claims.forget_absent(records)
+        self.claims.observe({p: r.round for p, r in records.items() if r.state != "joining"}, self._own_round())
+
+    def _own_round(self) -> int | None:
+        """Our round as a vote among the claims (None while we join: our round says nothing then)."""
+        s = self.status()
+        return None if s.state == "joining" else s.round
+
+    def believed_rounds(self) -> dict[str, int]:
+        """Listed peers past joining -> their announced round as far as we believe it (protocol/claims.py)."""
+        own = self._own_round()
+        return self.claims.believed({p: r.round for p, r in self.live.items() if r.state != "joining"}, own or 0)
+
+    def tenure(self) -> dict[str, float]:
+        """Listed peers -> how long (s) we have seen them live: our own observation, not a claim."""
+        now = time.monotonic()
+        return {p: now - t for p, t in self._seen_at.items()}
+
+    def _stale_ready(self, now: float) -> set[str]:
+        """Listed peers that have announced "exchanging" at one round for longer than a round's plausible time."""
+        c = self.cfg
+        limit = ready_max_age_s(c.swarm.partner_deadline_s, c.exchange.exchange_timeout_s, c.swarm.announce_ttl_s,
+                                self.status().view.get("round_s"))
+        return stale_ready(self._seen_state, now, limit)
 
     def ready_at(self, now: float) -> dict[str, float]:
         """Peers in state "training" -> when they are expected to be ready, on the clock of `now` (monotonic): the
@@ -588,7 +510,9 @@ class Network:
         """Compatible peers ready to exchange: listed as such (at most a refresh old), or heard of as ready from a
         peer we just exchanged headers with (peer exchange, protocol/buckets.py)."""
         now = time.monotonic()
-        listed = {pid for pid, r in self.live.items() if r.state == "exchanging"}
+        # an "exchanging" that outlives a round's plausible time is not believed: a record that says so for ever
+        # would otherwise be in every search's ready set (protocol/claims.py stale_ready)
+        listed = {pid for pid, r in self.live.items() if r.state == "exchanging"} - self._stale_ready(now)
         return (listed | self.hints.ready(now)) - {self.peer_id}
 
     def in_sight(self) -> set[str]:
@@ -645,6 +569,8 @@ class Network:
     def _join_view(self, peer_id: PeerID, rec: PeerRecord, expiration: float) -> bool:
         """A checked record joins our view until it expires; whether its peer is now a live, compatible member."""
         pid = str(peer_id)
+        # kept at most max_record_ttl_s: the expiration is whatever its owner signed (protocol/claims.py)
+        expiration = expiry_cap(expiration, get_dht_time(), self.max_record_ttl_s)
         self.membership.expirations[pid] = max(self.membership.expirations.get(pid, 0.0), expiration)
         self._take({pid: rec})
         return self.is_member(peer_id)
@@ -689,96 +615,6 @@ class Network:
         refused, self._hints_reported[1] = self.signed.refused - self._hints_reported[1], self.signed.refused
         return {"swarm_estimate": round(m.estimate.value, 1), "buckets": 1 << m.level, "dht_bytes_read": read,
                 "dht_gets": gets, "signed_hints_used": used, "signed_hints_refused": refused}
-
-    # ------------------------------------------------------------------ state transfer
-    # A joiner's snapshot is taken only when one asks: a copy of the parameters and the outer state to the CPU is
-    # 3x the model's size in host memory (8 GB per round at the 1b preset), wasted in every round nobody joins.
-    # The copy must be taken at a round boundary (there params == the outer anchor, and nothing writes them), so
-    # the state server asks for it and waits for the training thread to reach the next boundary.
-
-    def round_boundary(self, take: Callable[[], tuple[dict, list[torch.Tensor]]]) -> None:
-        """Called by the training thread at each round boundary: takes a snapshot with `take()` when a joiner is
-        waiting for one (it is then served until the next boundary), else drops the previous one."""
-        with self._waiters_lock:
-            waiters, self._waiters = self._waiters, []
-        if not waiters:
-            self._snapshot = None  # stale now; a later joiner asks again and gets this one's successor
-            return
-        self._snapshot = take()
-        loop = self.aio.loop
-        for fut in waiters:
-            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
-
-    async def _get_state(self):
-        """On the loop, for the state server: this boundary's snapshot, waiting for the next boundary when none
-        was taken yet; None when that boundary does not come within the wait (the server answers BUSY and the
-        joiner asks again; the snapshot is taken at that boundary anyway)."""
-        if self._snapshot is not None:
-            return self._snapshot
-        fut = asyncio.get_running_loop().create_future()
-        with self._waiters_lock:
-            self._waiters.append(fut)
-        # the joiner waits accept_timeout_s for our reply header; half of it leaves room for the answer
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.cfg.state_transfer.accept_timeout_s / 2):
-                await fut
-        return self._snapshot
-
-    def _first_listing(self) -> dict[str, PeerRecord]:
-        """The listing a joiner picks its donor from. The first one is taken right after our DHT node started and
-        may come back before the node knows the swarm: with initial peers set, an empty one is taken again for up
-        to join_listing_wait_s (a soak run's joiner started from the seed model beside five trained peers). Only
-        an empty listing waits: peers started together see each other at round 0 and start at once."""
-        deadline = time.monotonic() + self.cfg.swarm.join_listing_wait_s
-        while not self.live and self.cfg.network.initial_peers and time.monotonic() < deadline:
-            time.sleep(JOIN_RELIST_S)
-            self.refresh_listing()
-        return self.live
-
-    def download_state(self, params: list[torch.Tensor], outer, exclude: Collection[str] = ()):
-        """(donor, metadata, params, outer_state) from a live peer not in `exclude`, or None when nobody is there
-        (a fresh swarm) or no donor delivered a verified state in time (then the peer starts from the seed model,
-        logged)."""
-        from gasloc.peer.transport.state_transfer import StateDownloadError, download_state
-
-        live = self._first_listing()
-        # Only peers that trained at least one round: peers started together all hold the seed model already.
-        # The announced round is a claim, so it does not pick the donor: a random one of the top join_donor_pool
-        # goes first (a liar claiming round 1e9 is first only that often), then the rest, most advanced first; a
-        # donor that fails (dies mid-transfer, busy, garbage) is skipped for the next. Not peers we cannot reach
-        # (behind NAT while we are public, or NATed without a forwarder).
-        skip = self.uncallable()
-        donors = sorted((pid for pid, r in live.items() if r.state != "joining" and r.round > 0
-                         and pid not in exclude and pid not in skip), key=lambda p: -live[p].round)
-        top = donors[:self.cfg.swarm.join_donor_pool]
-        random.shuffle(top)
-        donors = top + donors[len(top):]
-        if not donors:
-            log.info("join: no live peer has trained yet; starting from the seed model")
-            return None
-        outer_names = list(outer.state_dict())
-        specs = [(tuple(t.shape), t.dtype) for t in params]
-        outer_specs = [(tuple(t.shape), t.dtype) for t in outer.state_dict().values()]
-        log.info("join: downloading state, candidate donors=%d", len(donors))
-        coro = download_state(self.p2p, [PeerID.from_base58(d) for d in donors], specs, self.fingerprint,
-                              self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs,
-                              swarm_key=self.swarm_key, hints_in=self.heard, member=self.member_out())
-        try:
-            metadata, tensors = self.aio.run(coro, self.cfg.swarm.join_timeout_s)
-        except TimeoutError:
-            log.warning("join: no state within join_timeout_s=%.0f; starting from the seed model",
-                        self.cfg.swarm.join_timeout_s)
-            return None
-        except StateDownloadError as e:
-            log.warning("join: %s; starting from the seed model", e)
-            return None
-        n_outer = int(metadata.get("num_outer", 0))
-        n_params = len(tensors) - n_outer
-        outer_state = dict(zip(outer_names, tensors[n_params:])) if n_outer == len(outer_names) else {}
-        donor = str(metadata.get("peer_id", "peer"))
-        log.info("join: state of round %s from %s (outer state: %s)", metadata.get("round"), donor,
-                 "yes" if outer_state else "no")
-        return donor, metadata, tensors[:n_params], outer_state
 
     # ------------------------------------------------------------------ shutdown (main thread)
     def withdraw(self) -> None:

@@ -204,3 +204,16 @@ def test_the_dht_validators_check_a_record_once_and_still_refuse_altered_bytes(s
                         record.expiration_time)
     assert not composite.validate(altered) and len(calls) == 2
     assert not composite.validate(DHTRecord(record.key, record.subkey, record.value, record.expiration_time + 1))
+
+
+def test_a_record_signed_to_expire_in_a_century_is_kept_only_a_few_ttls(signers):
+    """Issue 29: a signed inline record had no upper bound on its expiry, so one admission kept a caller (a Sybil,
+    or a peer long gone) in our view for as long as it chose."""
+    dht = FakeDHT()
+    caller = _announced(dht, signers[1], ttl_s=100 * 365 * 86400.0)
+    net = _network(dht, signers)
+    pid = PeerID.from_base58(caller.peer_id)
+    now = get_dht_time()
+    assert asyncio.run(net.admit_caller(pid, caller.inline))
+    assert net.membership.expirations[caller.peer_id] <= now + net.max_record_ttl_s + 5
+    assert net.max_record_ttl_s == 4 * net.cfg.swarm.announce_ttl_s

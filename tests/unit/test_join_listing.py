@@ -1,4 +1,4 @@
-"""A joiner's first listing (peer/swarm/network.py `_first_listing`): an empty one is taken again while initial
+"""A joiner's first listing (peer/swarm/joining.py `_first_listing`): an empty one is taken again while initial
 peers are set, so a joiner whose DHT node does not know the swarm yet does not start from the seed model."""
 from __future__ import annotations
 
@@ -7,19 +7,18 @@ from types import SimpleNamespace
 import pytest
 
 from gasloc.peer.config import PeerConfig
-from gasloc.peer.swarm import network as network_mod
-from gasloc.peer.swarm.network import Network
+from gasloc.peer.swarm import joining as joining_mod
+from gasloc.peer.swarm.network import Network, PeerStatus
 
 REC = SimpleNamespace(state="training", round=3, time=100.0)
 
 
 def _net(initial_peers: list[str], listings: list[dict], wait_s: float = 3.0) -> tuple[Network, list[int]]:
-    net = Network.__new__(Network)  # only the listing side is exercised: no DHT, no loop
     cfg = PeerConfig()
     cfg.network.initial_peers = initial_peers
     cfg.swarm.join_listing_wait_s = wait_s
-    net._entered = {}
-    net.cfg, net.live = cfg, {}
+    # only the listing side is exercised: no DHT, no loop
+    net = Network(cfg, lambda: PeerStatus("joining", 0, 0.0, 0.0))
     calls = [0]
 
     def refresh():
@@ -32,7 +31,7 @@ def _net(initial_peers: list[str], listings: list[dict], wait_s: float = 3.0) ->
 
 @pytest.fixture(autouse=True)
 def fast_period(monkeypatch):
-    monkeypatch.setattr(network_mod, "JOIN_RELIST_S", 0.01)
+    monkeypatch.setattr(joining_mod, "JOIN_RELIST_S", 0.01)
 
 
 def test_an_empty_first_listing_is_taken_again_until_the_swarm_shows():

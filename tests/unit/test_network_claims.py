@@ -1,0 +1,94 @@
+"""The Network's view weighs others' claims against what it observed itself (issue 29): a record that says
+"exchanging" for ever leaves the ready set, a record never re-announced leaves the view, donors come in order of
+tenure, and round claims far past the swarm are cut (protocol/claims.py, protocol/donors.py)."""
+from __future__ import annotations
+
+import pytest
+
+from gasloc.peer.config import PeerConfig
+from gasloc.peer.swarm import network as netmod
+from gasloc.peer.swarm.membership import PeerRecord
+from gasloc.peer.swarm.network import Network, PeerStatus
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _rec(pid: str, state: str = "training", round: int = 5, time: float = 1000.0) -> PeerRecord:
+    return PeerRecord(peer_id=pid, protocol=2, fingerprint="f", state=state, round=round, throughput_tps=1.0,
+                      bandwidth_bps=0.0, time=time)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(netmod.time, "monotonic", lambda: now[0])
+    return now
+
+
+def _net(own_round: int = 5, state: str = "training") -> Network:
+    net = Network(PeerConfig(), lambda: PeerStatus(state, own_round, 0.0, 0.0, {"round_s": 5.0}))
+    net.peer_id = "QmMe"
+    return net
+
+
+def test_a_record_exchanging_for_longer_than_a_round_is_not_ready(clock):
+    net = _net()
+    net.live = {"sybil": _rec("sybil", "exchanging", 7), "honest": _rec("honest", "training", 7)}
+    assert net.ready_peers() == {"sybil"}
+    clock[0] += 30
+    net.live = {"sybil": _rec("sybil", "exchanging", 7, time=1030.0),       # re-announced, same state and round
+                "honest": _rec("honest", "exchanging", 8, time=1030.0)}
+    assert net.ready_peers() == {"sybil", "honest"}
+    clock[0] += 60                                   # 90 s "exchanging" at round 7: no search lasts that long
+    net.live = {"sybil": _rec("sybil", "exchanging", 7, time=1090.0), "honest": _rec("honest", "exchanging", 9)}
+    assert net.ready_peers() == {"honest"}
+
+
+def test_a_record_never_re_announced_leaves_the_view(clock):
+    net = _net()
+    records = {"gone": _rec("gone", time=1000.0), "alive": _rec("alive", time=1000.0)}
+    assert set(net._unfrozen(records)) == {"gone", "alive"}
+    for step in range(1, 8):
+        clock[0] += 10
+        records["alive"] = _rec("alive", time=1000.0 + 10 * step)     # an honest peer re-announces
+        kept = net._unfrozen(dict(records))
+    assert set(kept) == {"alive"}                     # 70 s with the same announcement time > 4 x 15 s
+
+
+def test_donors_come_in_order_of_tenure_and_claims_past_the_swarm_are_cut(clock):
+    net = _net(own_round=20)
+    net.live = {p: _rec(p, round=20) for p in ("hA", "hB", "hC")}
+    clock[0] += 300
+    net.live = {**{p: _rec(p, round=21) for p in ("hA", "hB", "hC")}, "Syb": _rec("Syb", round=10**9)}
+    believed = net.believed_rounds()
+    assert believed["Syb"] <= 21 + net.cfg.swarm.round_claim_slack and believed["hA"] == 21
+    tenure = net.tenure()
+    assert tenure["hA"] == pytest.approx(300.0) and tenure["Syb"] == pytest.approx(0.0)
+    net.uncallable = lambda: set()
+    net._first_listing = lambda: net.live
+    order = []
+    import gasloc.peer.transport.state_transfer as st
+    real = st.download_state
+
+    async def capture(p2p, donors, *a, **k):     # the order download_state is handed; no transfer here
+        order.extend(str(d) for d in donors)
+        raise st.StateDownloadError("scripted")
+
+    st.download_state = capture
+    try:
+        class _Loop:
+            def run(self, coro, timeout):
+                import asyncio
+                return asyncio.run(coro)
+        net.aio, net.p2p, net.fingerprint = _Loop(), None, "f"
+        net.member_out = lambda: None
+        import torch
+        assert net.download_state([torch.zeros(2)], _Outer()) is None
+    finally:
+        st.download_state = real
+    assert order and order[-1] == "Syb" and set(order[:3]) == {"hA", "hB", "hC"}
+
+
+class _Outer:
+    def state_dict(self):
+        return {}

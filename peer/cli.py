@@ -60,6 +60,7 @@ def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, p
     from gasloc.runtime.logs import setup_logging
     setup_logging()
     from gasloc.peer.daemon import Peer
+    from gasloc.peer.train.memory import DoesNotFit
     from gasloc.runtime.lifecycle import StartupError
 
     try:
@@ -70,4 +71,7 @@ def peer(config_file, print_config, initial_peers, run_id, run_dir, algorithm, p
     except FloatingPointError as e:  # a NaN loss with no finite checkpoint to recover from (peer/daemon.py _recover)
         click.echo(f"Error: {e} (no finite checkpoint to go back to)", err=True)
         sys.exit(1)
+    except DoesNotFit as e:  # out of memory, at start or mid-run (peer/train/memory.py): exit 3, not a crash
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(e.exit_code)
     sys.exit(code)

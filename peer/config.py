@@ -200,6 +200,11 @@ class RunConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present (bf16 "
                                                    "autocast), else CPU (fp32)")
     torch_threads: int | None = Field(None, ge=1, description="CPU threads for torch; unset: torch's default")
+    memory_limit_mb: float | None = Field(None, gt=0, description="on the CPU, the most resident memory this "
+                                          "process may use (MB = 10^6 B); the start-up check (a dry inner and "
+                                          "outer step) refuses a config whose round does not fit. Unset: the "
+                                          "cgroup's limit or the machine's available memory; on CUDA the "
+                                          "device's free memory")
 
 
 class FaultConfig(_Section):
@@ -212,6 +217,8 @@ class FaultConfig(_Section):
     nan_at_round: int | None = Field(None, ge=1, description="in this round (once per process) turn the "
                                      "parameters to NaN after the first inner step, so the training loss turns NaN "
                                      "mid-round")
+    oom_at_round: int | None = Field(None, ge=1, description="in this round raise torch's out-of-memory error "
+                                     "after the first inner step (an OOM mid-round: the peer must end, not loop)")
 
 
 class PeerConfig(_Section):

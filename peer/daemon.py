@@ -39,10 +39,11 @@ from gasloc.peer.swarm.round_report import RoundExchange, relative_distance
 from gasloc.peer.train.data import build_data, evaluate, private_batches
 from gasloc.peer.train.inner import make_inner_optimizer, run_inner_phase
 from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
-from gasloc.peer.train.outer import make_outer
+from gasloc.peer.train.outer import make_outer, mix_applied_once
 from gasloc.protocol.averaging import group_mean_weight, mix_pair_
+from gasloc.protocol.decision import Decision, MixJudge
 from gasloc.protocol.donors import adopted_round, cross_check
-from gasloc.protocol.guard import DistanceHistory, FarStreak, Verdict, catch_up_due, swarm_ahead
+from gasloc.protocol.guard import FarStreak, swarm_ahead
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.procs import StopSignals
 from gasloc.runtime.safeproc import remove_own_shm
@@ -204,7 +205,9 @@ class Peer:
         self.outer = make_outer(cfg.outer, self.params)
         self.fingerprint = self.net.fingerprint = run_fingerprint(cfg, self.model, tok)
         self.tokenizer_name = cfg.data.tokenizer
-        self.guard = DistanceHistory(cfg.guard)  # our own recent partner distances (protocol/guard.py)
+        # our mix decisions (protocol/decision.py); its sketch's seed is ours alone, so no partner can aim at it
+        self.guard = MixJudge(cfg.guard, seed=secrets.randbits(63))
+        self._far = self.guard.streak  # one far-rejection streak: the judge's
         self.val_batches = self.data.val_batches()
         self.fault = make_fault(cfg.fault, self.params)  # tests only (peer/fault.py); a no-op otherwise
 
@@ -619,7 +622,8 @@ class Peer:
             mixed, consensus = self._mixed(sent, ex) if ex.ok else (None, consensus)
             t_outer = time.monotonic()
         # a solo round (also when the guard rejected the partner): mix is the identity, the outer momentum applies
-        self.outer.apply(self.params, sent if mixed is None else mixed)
+        with mix_applied_once(self.outer, not _momentum(ex)):  # a stranger's correction: applied once
+            self.outer.apply(self.params, sent if mixed is None else mixed)
         self.averaging.recycle(ex)  # mixed in: the next exchange receives into these buffers
         return ex, consensus, time.monotonic() - t_outer
 
@@ -637,44 +641,41 @@ class Peer:
         consensus = relative_distance(ours, received)
         if ex.kind != "pair":
             return received, consensus
-        scale = 1.0
+        scales = [1.0] * len(received)
         if self.cfg.guard.enabled:
-            v = self._judge(ours, received, consensus, ex)
+            v = self._judge(ours, received, ex)
             if v.rejected:
                 ex.outcome, ex.received = "rejected", None
                 ex.detail = f"guard code={v.code.name if v.code else '-'} {v.reason}"
                 log.warning("round=%d partner=%s guard rejected code=%s %s", self.round + 1, _short(ex.partner),
                             v.code.name if v.code else "-", v.reason)
                 return None, consensus
-            scale = v.scale   # clipped: the partner pulls by this share of its difference
+            scales = list(v.scales)   # clipped: the partner pulls by this share of its difference, per tensor
         weight = self.cfg.outer.mix_weight if self.cfg.outer.mix_weight is not None else group_mean_weight(1)
-        return mix_pair_(received, sent, own_wire, weight * scale), consensus
+        for s in set(scales):  # one in-place mix per distinct clip scale (most tensors: 1)
+            ks = [k for k, x in enumerate(scales) if x == s]
+            mix_pair_([received[k] for k in ks], [sent[k] for k in ks],
+                      None if own_wire is None else [own_wire[k] for k in ks], weight * s)
+        return received, consensus
 
-    def _judge(self, sent: list[torch.Tensor], received: list[torch.Tensor], distance: float,
-               ex: RoundExchange) -> Verdict:
-        """The guard's verdict on one partner (a suspicious one is checked on one local validation batch), recorded
-        in our history and in the partner's trust, and attached to the round's report."""
-        v = self.guard.judge(distance)
-        better = False  # the far partner's model is clearly better than ours on our batch
-        if v.action == "check":
-            if len(received) == len(self.params) and all(r.shape == p.shape for r, p in zip(received, self.params)):
-                batch = self.val_batches[:1]
-                own, theirs = self._evaluate_at(sent, batch), self._evaluate_at(received, batch)
-                v = self.guard.after_check(v, own, theirs)
-                better = theirs < own * (1 - self.cfg.guard.val_margin)
-            else:  # tensors that are no model (NoLoCo sends two per parameter): clip without the check
-                v = Verdict("clip", v.distance, v.tau, v.scale, reason="not a model: clipped unchecked")
-        self.guard.record(v)
-        trust = self.averaging.policy.judged(ex.partner, v, time.monotonic())
-        self._far.note(v, ex.partner, ex.partner_round)
+    def _judge(self, sent: list[torch.Tensor], received: list[torch.Tensor], ex: RoundExchange) -> Decision:
+        """The mix decision on one partner's tensors (protocol/decision.py), applied: every offer is checked on one
+        batch only this peer knows (data.private_batches: the validation batches are every peer's, so a state could
+        be tuned to them), the trust change goes to the one trust book the partner search reads, a catch-up is
+        noted for the round boundary, and the decision is attached to the round's report."""
+        model = len(received) == len(self.params) and all(r.shape == p.shape for r, p in zip(received, self.params))
+        batch = private_batches(self.data, 1) if model else None
+        # tensors that are no model (NoLoCo sends two per parameter): no batch check
+        loss = (lambda point: self._evaluate_at(point, batch)) if model else None
         own_round = self.round if ex.offer_round is None else ex.offer_round
-        why = catch_up_due(v, own_round=own_round, own_id=self.peer_id, partner_round=ex.partner_round,
-                           listed_rounds=self._listed_rounds(), streak=self._far,
-                           behind_rounds=self.cfg.swarm.resync_behind_rounds, partner_better=better)
-        if why is not None:
-            self._catch_up = why
-        ex.guard = {"guard": v.action, "guard_tau": v.tau, "clipped_by": 1.0 - v.scale if v.clipped else 0.0,
-                    "rejected": v.rejected, "partner_trust": trust}
+        v = self.guard.decide(sent, received, partner=ex.partner or "", own_round=own_round,
+                              partner_round=ex.partner_round, loss=loss, listed_rounds=self._listed_rounds(),
+                              own_id=self.peer_id, behind_rounds=self.cfg.swarm.resync_behind_rounds)
+        trust = self.averaging.policy.judged(ex.partner, v.verdict, time.monotonic())
+        if v.catch_up is not None:
+            self._catch_up = v.catch_up
+        ex.guard = {"guard": v.verdict.action, "guard_tau": v.tau, "clipped_by": 1.0 - v.scale if v.clipped else 0.0,
+                    "rejected": v.rejected, "partner_trust": trust, "momentum": v.momentum}
         return v
 
     def _note_bandwidth(self, ex: RoundExchange) -> None:
@@ -702,7 +703,8 @@ class Peer:
         if ex.ok:
             mixed, consensus = self._mixed(sent, ex)
             if mixed is not None:
-                self.outer.late_mix(self.params, sent, mixed)
+                with mix_applied_once(self.outer, not _momentum(ex)):  # a stranger's correction: applied once
+                    self.outer.late_mix(self.params, sent, mixed)
             self.averaging.recycle(ex)
         return ex, consensus, self._evaluate_at(self.outer.anchor) if eval_due and evaluate_due else None
 
@@ -782,6 +784,12 @@ class Peer:
 
 def _short(peer_id: str | None) -> str:
     return "-" if not peer_id else (peer_id if len(peer_id) <= 12 else f"{peer_id[:6]}…{peer_id[-4:]}")
+
+
+def _momentum(ex: RoundExchange) -> bool:
+    """Whether the round's mix correction may get outer momentum: not from a partner we barely know (the mix
+    decision's `momentum`, protocol/decision.py); a round without a judged partner has no correction to carry."""
+    return bool((ex.guard or {}).get("momentum", True))
 
 
 def _guard_fields(guard: dict | None) -> dict:

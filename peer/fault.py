@@ -36,6 +36,9 @@ class FaultInjector(NoFault):
         if self.cfg.noise_std > 0:
             for p in self.params:
                 p.add_(torch.randn_like(p), alpha=self.cfg.noise_std)
+        if self.cfg.oom_at_round == round_in_progress:
+            # what torch raises when an allocation fails on the device (CUDA) mid-round
+            raise torch.OutOfMemoryError(f"fault: simulated out of memory in round {round_in_progress}")
         if self.cfg.nan_at_round == round_in_progress and not self.nan_fired:
             self.nan_fired = True
             log.warning("fault: parameters set to NaN in round %d", round_in_progress)

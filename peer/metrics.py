@@ -3,6 +3,7 @@ branches on whether metrics are on.
 
 Events (one JSON object per line, each with "event" and "time" = Unix seconds):
   start  peer_id, fingerprint, algorithm, initial_loss, joined_from (donor peer id | "checkpoint" | null), round
+         memory_need_mb (a round's peak above the runtime, measured by the start-up dry run), memory_headroom_mb
   round  round, inner_steps, loss (mean training loss of the inner phase), val_loss (held-out batches, every
          run.eval_every_rounds rounds and at round 1, else null), outcome (ok | solo | busy | timeout | rejected |
          failed: ok, or the last failed attempt's outcome, or solo when nothing was attempted), partner (DiLoCo:
@@ -11,7 +12,9 @@ Events (one JSON object per line, each with "event" and "time" = Unix seconds):
          ||own|| with theirs = the partner's tensors, or for DiLoCo the group mean; null without an ok exchange),
          the round's time split compute_s (inner steps) / wait_s (looking for a partner, failed attempts
          included) / transfer_s (the successful exchange) / outer_s (mix + outer update), round_s, tokens_per_s,
-         peak_mem_mb (CUDA: max allocated; CPU: peak RSS), attempts, passed_over (ready peers on much slower
+         peak_mem_mb (this round's peak, reset at its start: CUDA max allocated, CPU the peak resident set
+         VmHWM; where it cannot be reset the start event's peak_mem_per_round is false and this is the process's
+         lifetime peak), attempts, passed_over (ready peers on much slower
          links the search did not ask or answered busy, swarm.slower_link_ratio), live_peers, detail. With
          outer.overlap the exchange fields describe the previous round's exchange (it ran during this round's
          inner steps): wait_s is how long this round then waited for it, transfer_s is 0; val_loss is the previous
@@ -27,7 +30,7 @@ Events (one JSON object per line, each with "event" and "time" = Unix seconds):
   checkpoint  round, path: a checkpoint was written
   state_served  joiner, outcome (the joiner's verdict: OK or a status code name), bytes, seconds: this peer
          served its state to a joining peer
-  stop   peer_id, round, reason (finished | SIGINT | SIGTERM | startup_failed)
+  stop   peer_id, round, reason (finished | SIGINT | SIGTERM | startup_failed | out_of_memory)
 The round event also carries code: the status code name of a rejected exchange (null otherwise).
 Prometheus (peer/prometheus.py) reads the same events.
 """

@@ -28,8 +28,7 @@ from gasloc.peer.train.data import build_data
 from gasloc.peer.train.inner import lr_at
 from gasloc.peer.train.model import build_model
 from gasloc.peer.train.outer import make_outer
-from gasloc.protocol.guard import DistanceHistory
-from gasloc.sim.trainer import SimTrainer, worker_data
+from gasloc.sim.trainer import SimTrainer, guards_for, worker_data
 
 EVAL_CHUNK = 256  # workers per vmapped evaluation forward: bounds the logits' memory (chunk x B x T x vocab)
 TRAIN_CHUNK = 256  # workers per vmapped forward/backward: bounds the activations kept for the backward pass
@@ -60,7 +59,8 @@ class BatchedTrainer(SimTrainer):
         self.weight = cfg.outer.mix_weight
         self.overlap = False
         self.late = [None] * k
-        self.guards = [DistanceHistory(cfg.guard) for _ in range(k)]
+        self.carry = [True] * k
+        self.guards = guards_for(cfg, self.data)
         self.guard_counts = {"accept": 0, "check": 0, "clip": 0, "reject": 0}
         self.planned: dict[int, int] = {}   # worker -> steps of the phase it started and that has not run yet
         self.ahead: dict[int, list[torch.Tensor]] = {}  # ran ahead of the clock: its parameters before the phase

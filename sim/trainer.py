@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
-from gasloc.peer.train.data import BLOCK_TOKENS, build_data, evaluate
+from gasloc.peer.train.data import BLOCK_TOKENS, WindowSampler, build_data, evaluate
 from gasloc.peer.train.inner import inner_step, make_inner_optimizer
 from gasloc.peer.train.model import build_model
-from gasloc.peer.train.outer import make_outer
+from gasloc.peer.train.outer import make_outer, mix_applied_once
 from gasloc.protocol.averaging import exact_mean, mix
 from gasloc.protocol.codec import parse as codec_parse
-from gasloc.protocol.guard import DistanceHistory, Verdict, clip_toward, relative_distance
+from gasloc.protocol.decision import MixJudge
 from gasloc.sim.config import SimConfig
 
 
@@ -33,6 +34,37 @@ def worker_data(cfg: SimConfig) -> list:
             d.train.stream = f"{d.train.stream}-reader-{i // shards}"
         out.append(d)
     return out
+
+
+@dataclass
+class WorkerGuard:
+    """A worker's mix decision (protocol/decision.py) and the stream of private batches it checks offers on: windows
+    of its own shard from a seeded stream of their own (seeded, so a run is reproducible; a live peer draws them
+    from the OS's randomness, data.private_batches)."""
+    judge: MixJudge
+    batches: object
+
+
+def guards_for(cfg: SimConfig, data: list) -> list[WorkerGuard]:
+    out = []
+    for i, d in enumerate(data):
+        train = getattr(d, "train", None)
+        if isinstance(train, WindowSampler):
+            batches = WindowSampler(train.tokens, train.blocks, train.seq_len, train.batch_size,
+                                    seed=cfg.seed * 7919 + i, stream="private-check", vocab_size=train.vocab_size)
+        else:  # a streamed dataset: its validation batches (they cannot be sampled at random)
+            batches = _Cycle(d.val_batches())
+        out.append(WorkerGuard(MixJudge(cfg.guard, seed=cfg.seed * 1_000_003 + i), batches))
+    return out
+
+
+class _Cycle:
+    def __init__(self, batches: list):
+        self.batches, self.n = batches, 0
+
+    def next_batch(self):
+        self.n += 1
+        return self.batches[(self.n - 1) % len(self.batches)]
 
 
 class SimTrainer:
@@ -57,13 +89,14 @@ class SimTrainer:
         self.weight = cfg.outer.mix_weight
         self.overlap = cfg.outer.overlap
         self.late: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None] = [None] * k  # overlap: (sent, mixed)
+        self.carry = [True] * k  # this round's mix correction gets outer momentum (protocol/decision.py momentum)
         # the wire form of what each worker sent this round (protocol/codec.py), what its partners receive and what
         # it mixes against; the sent tensors themselves without a codec
         self.codec = codec_parse(cfg.codec) if cfg.codec is not None else None
         self.wire: dict = dict.fromkeys(range(k))   # i -> its wire form; (i, j): j's, as i decodes it (sparse)
         self.rngs = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + i) for i in range(k)]
         self.pair_seed = 0   # sparse codecs: counts mix rounds, for each pair's seed
-        self.guards = [DistanceHistory(cfg.guard) for _ in range(k)]
+        self.guards = guards_for(cfg, data)
         self.guard_counts = {"accept": 0, "check": 0, "clip": 0, "reject": 0}
 
     @property
@@ -88,7 +121,8 @@ class SimTrainer:
 
     def arrive(self, i: int) -> None:
         if self.late[i] is not None:  # overlap: the previous round's mix, added where it arrived
-            self.outers[i].late_mix(self.params[i], *self.late[i])
+            with mix_applied_once(self.outers[i], not self.carry[i]):
+                self.outers[i].late_mix(self.params[i], *self.late[i])
             self.late[i] = None
 
     def send(self, i: int) -> int:
@@ -156,27 +190,28 @@ class SimTrainer:
                                      for p, t in zip(theirs, self.wire[i])]
 
     def _guarded(self, i: int, theirs: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-        """Worker i's partners' tensors after its guard (protocol/guard.py): clipped toward its own, or left out."""
+        """Worker i's partners' tensors after its mix decision (protocol/decision.py), as a live peer's: clipped
+        toward its own per tensor, or left out; every offer checked on a batch of worker i's own private stream.
+        `carry[i]`: whether this round's correction gets outer momentum (not from a partner it barely knows)."""
         own, out = self._wire_of(i), {}
+        self.carry[i] = True
+        batch = [self.guards[i].batches.next_batch()]
+        loss = (lambda point: self._loss_at(point, batch)) if len(own) == len(self.params[i]) else None  # NoLoCo
         for j, t in theirs.items():
-            v = self.guards[i].judge(relative_distance(own, t))
-            if v.action == "check":
-                if len(t) == len(self.params[i]):
-                    v = self.guards[i].after_check(v, self._loss_at(own), self._loss_at(t))
-                else:  # NoLoCo's tensors are no model
-                    v = Verdict("clip", v.distance, v.tau, v.scale)
-            self.guards[i].record(v)
-            self.guard_counts[v.action] += 1
-            if not v.rejected:
-                out[j] = clip_toward(own, t, v.scale)
+            d = self.guards[i].judge.decide(own, t, partner=str(j), own_round=self.rounds[i],
+                                            partner_round=self.rounds[j], loss=loss)
+            self.guard_counts[d.verdict.action] += 1
+            if not d.rejected:
+                out[j] = d.apply(own, t)
+                self.carry[i] = self.carry[i] and d.momentum
         return out
 
     @torch.no_grad()
-    def _loss_at(self, point: list[torch.Tensor]) -> float:
-        """Loss of `point` on one validation batch (the guard's check of a suspicious partner)."""
+    def _loss_at(self, point: list[torch.Tensor], batches: list[torch.Tensor] | None = None) -> float:
+        """Loss of `point` on `batches` (default: one validation batch)."""
         for dst, src in zip(self.eval_model.parameters(), point):
             dst.copy_(src)
-        return evaluate(self.eval_model, self.val[:1])
+        return evaluate(self.eval_model, self.val[:1] if batches is None else batches)
 
     def allreduce(self, workers: list[int]) -> None:
         if self.weight is None:  # the exact mean, computed once (every update reads `mixed` without writing it)
@@ -193,7 +228,8 @@ class SimTrainer:
             if self.mixed[i] is not self.sent[i]:
                 self.late[i] = (self.sent[i], self.mixed[i])
         else:
-            self.outers[i].apply(self.params[i], self.mixed[i])
+            with mix_applied_once(self.outers[i], not self.carry[i]):
+                self.outers[i].apply(self.params[i], self.mixed[i])
         self.sent[i] = self.mixed[i] = self.wire[i] = None
         for key in [key for key in self.wire if isinstance(key, tuple) and key[0] == i]:
             del self.wire[key]

@@ -338,3 +338,24 @@ def make_outer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> OuterUpdate:
     """The outer update for `cfg.algorithm`, anchored at `params`."""
     cls = {"gasloc": GASLoC, "gossip": GASLoC, "diloco": DiLoCo, "noloco": NoLoCo, "local": Local}[cfg.algorithm]
     return cls(cfg, params)
+
+
+class mix_applied_once:  # noqa: N801 (a context manager, used as `with mix_applied_once(outer, ...)`)
+    """Within: GASLoC form C applies this round's mixing correction once, without outer momentum (kappa = 0 for
+    this apply / late_mix only), when `once` is true: the mix decision's `momentum` False, a partner we barely know
+    (protocol/decision.py). Form C otherwise carries a correction ~1 / (1 - gamma) times its size. Other
+    algorithms and forms carry no mixing correction with momentum: nothing changes."""
+
+    def __init__(self, outer: OuterUpdate, once: bool):
+        self.outer, self.saved = outer, None
+        self.once = once and isinstance(outer, GASLoC) and outer.cfg.form == "C"
+
+    def __enter__(self) -> OuterUpdate:
+        if self.once:
+            # model_copy does not validate: mix_momentum != 1 is valid here (gasloc form C)
+            self.saved, self.outer.cfg = self.outer.cfg, self.outer.cfg.model_copy(update={"mix_momentum": 0.0})
+        return self.outer
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            self.outer.cfg, self.saved = self.saved, None

@@ -63,7 +63,7 @@ def test_one_tensor_cannot_take_the_whole_budget():
     emb_dir = [torch.randn(t.shape, generator=gen) for t in own]
     attack = along(own, emb_dir, 0.95 * tau, only=0)
     d = j.decide(own, attack, partner="x", own_round=r)
-    assert not d.rejected and d.clipped
+    assert not d.rejected and d.scales[0] < 0.8
     moved = float((d.apply(own, attack)[0] - own[0]).norm()) / float(own[0].norm())
     # the honest partners move that tensor by ~0.05 of its norm: tau_0 is about twice that, not ~0.15
     assert moved <= 2.5 * REL[0], moved

@@ -1,0 +1,98 @@
+"""peer/train/memory.py: the partner's batch check without a copy of our parameters, the dry run's measured peak
+in parameter copies, the refusal line and what it suggests, and the out-of-memory marker that stops a crash
+loop."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gasloc.peer.config import PeerConfig
+from gasloc.peer.train.data import evaluate
+from gasloc.peer.train.memory import (DoesNotFit, Fit, Headroom, RoundPeak, _refusal, check_fit, dry_run,
+                                      estimate_bytes, evaluate_with, is_out_of_memory, num_params, oom_refusal,
+                                      outgoing_specs, suggestion, write_oom_marker)
+from gasloc.peer.train.model import ModelConfig, build_model
+from gasloc.peer.train.outer import OuterConfig, make_outer
+
+
+def cfg_of(**over) -> PeerConfig:
+    tree = {"model": {"preset": "small", "seq_len": 32}, "data": {"batch_size": 2}}
+    for k, v in over.items():
+        sec, key = k.split("__")
+        tree.setdefault(sec, {})[key] = v
+    return PeerConfig.model_validate(tree)
+
+
+def test_evaluate_with_gives_the_loss_at_the_point_and_leaves_our_parameters_alone():
+    model = build_model(ModelConfig(seq_len=16), 256)  # tiny, tied embeddings: one tensor for two names
+    own = [p.detach().clone() for p in model.parameters()]
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    point = [p.detach() + 0.02 * torch.randn_like(p) for p in model.parameters()]
+    batches = [torch.randint(0, 256, (2, 17)) for _ in range(2)]
+    got = evaluate_with(model, point, batches)
+    assert all(torch.equal(p, o) for p, o in zip(model.parameters(), own))
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), point):
+            p.copy_(t)
+    assert got == pytest.approx(evaluate(model, batches), rel=1e-6)
+    with pytest.raises(ValueError):
+        evaluate_with(model, point[:-1], batches)
+
+
+def test_outgoing_specs_match_what_outgoing_returns():
+    params = list(build_model(ModelConfig(preset="micro", seq_len=16), 256).parameters())
+    for algorithm in ("gasloc", "gossip", "diloco", "noloco", "local"):
+        oc = OuterConfig(algorithm=algorithm)
+        sent = make_outer(oc, params).outgoing(params)
+        assert outgoing_specs(oc, params) == [(tuple(t.shape), t.dtype) for t in sent], algorithm
+
+
+def test_out_of_memory_errors_are_recognised():
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert is_out_of_memory(MemoryError())
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+@pytest.mark.skipif(not RoundPeak(torch.device("cpu")).resettable, reason="needs Linux's resettable VmHWM")
+def test_the_dry_run_measures_a_round_in_a_handful_of_parameter_copies():
+    """small (5.2M parameters): the dry run's peak above the runtime, in copies of the parameters, is between the
+    six of the inner phase and the outer step's estimate plus activations (the bench measures it precisely)."""
+    cfg = cfg_of()
+    n4 = 4 * num_params(cfg.model, 256)
+    dry_run(cfg, 256, torch.device("cpu"))  # first one: the runtime's one-time allocations
+    copies = dry_run(cfg, 256, torch.device("cpu")) / n4
+    assert 5 <= copies <= estimate_bytes(cfg.model, 256, 2, False) / n4 + 2, copies
+
+
+def test_a_config_that_does_not_fit_is_refused_in_one_line_naming_what_fits():
+    cfg = cfg_of(model__preset="medium", data__batch_size=8)
+    need = estimate_bytes(cfg.model, 256, 8, False)
+    room = Headroom(int(0.5 * need), "under run.memory_limit_mb=123")
+    line = _refusal(cfg, 256, False, Fit(need, room, measured=True), scale=1.0)
+    assert "\n" not in line and "model.preset='medium'" in line and "measured" in line
+    assert "run.memory_limit_mb=123" in line and "model.preset='small' fits" in line, line
+    # a smaller batch is named first when the batch is what does not fit
+    big_batch = cfg_of(model__preset="tiny", model__seq_len=512, data__batch_size=64)
+    need = estimate_bytes(big_batch.model, 256, 64, False)
+    got = suggestion(big_batch, 256, False, int(0.6 * need), 1.0)
+    assert got.startswith("data.batch_size="), got
+    assert suggestion(cfg, 256, False, 1000, 1.0).startswith("no preset fits")
+
+
+def test_check_fit_refuses_under_a_tight_limit_and_passes_under_a_loose_one():
+    with pytest.raises(DoesNotFit, match="memory_limit_mb=1"):
+        check_fit(cfg_of(run__memory_limit_mb=1), 256, torch.device("cpu"))
+    fit = check_fit(cfg_of(model__preset="micro", run__memory_limit_mb=1e6), 256, torch.device("cpu"))
+    assert fit.ok and fit.need_bytes > 0
+
+
+def test_the_out_of_memory_marker_holds_for_the_same_settings_only(tmp_path):
+    cfg = cfg_of()
+    assert oom_refusal(tmp_path, cfg, torch.device("cpu")) is None
+    write_oom_marker(tmp_path, cfg, torch.device("cpu"), 7, torch.OutOfMemoryError("CUDA out of memory.\nmore"))
+    line = oom_refusal(tmp_path, cfg, torch.device("cpu"))
+    assert line is not None and "round 7" in line and "CUDA out of memory." in line and "\n" not in line
+    assert oom_refusal(tmp_path, cfg_of(data__batch_size=1), torch.device("cpu")) is None  # settings changed
+    assert not (tmp_path / "out-of-memory.json").exists()

@@ -323,6 +323,9 @@ class Peer:
         self.outer.reset(self.params)
         believed = self.net.believed_rounds().get(donor)
         self.round = adopted_round([r for _, r, _, _ in states], believed)
+        # the one line that names the adopted donor in full (the transport's id): bench/adversary.py counts these
+        log.info("join: adopted the state of %s round=%d (donors checked: %s)", donor, self.round,
+                 ",".join(d for d, _, _, _ in states))
         self.guard.clear()  # a new model: distances measured from the old one say nothing (fresh-joiner rule)
         self._far.clear()
         return donor
@@ -358,7 +361,7 @@ class Peer:
         val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
         self.sink.emit("resync", peer_id=self.peer_id, reason=reason, joined_from=donor, from_round=from_round,
                        round=self.round, val_loss=val_loss, **detail)
-        log.info("resync (%s): round %d -> %d from %s val_loss=%.4f", reason, from_round, self.round, _short(donor),
+        log.info("resync (%s): round %d -> %d from %s val_loss=%.4f", reason, from_round, self.round, donor,
                  val_loss)
         return True
 

@@ -219,6 +219,16 @@ class FaultConfig(_Section):
                                      "mid-round")
     oom_at_round: int | None = Field(None, ge=1, description="in this round raise torch's out-of-memory error "
                                      "after the first inner step (an OOM mid-round: the peer must end, not loop)")
+    bias: Literal["none", "fixed", "uphill"] = Field("none", description="offer our y plus a bias b sized under "
+                                                     "the guard's tau (peer/fault.py): fixed (one random direction "
+                                                     "from bias_seed, every round) or uphill (along this round's "
+                                                     "own summed inner gradients); we mix with the true y")
+    bias_share: float = Field(0.9, gt=0, description="size b so that a victim measures our offer at about this "
+                              "x tau: ||b|| = sqrt((this x tau)^2 - m^2) x ||y||, tau and m (the median partner "
+                              "distance) as our own guard sees them")
+    bias_tensor: int | None = Field(None, ge=0, description="all of b in this one parameter tensor (its index in "
+                                    "model.parameters(); 0: the token embedding); unset: spread over all")
+    bias_seed: int = Field(0, description="seed of the fixed direction (Sybils sharing it push the same way)")
 
 
 class PeerConfig(_Section):

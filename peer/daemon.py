@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from gasloc.peer.config import PeerConfig
-from gasloc.peer.fault import NoFault, make_fault
+from gasloc.peer.fault import NoFault, guard_seen, make_fault
 from gasloc.peer.fingerprint import run_fingerprint
 from gasloc.peer.metrics import JsonlSink, MetricsSink, NullSink, peak_memory_mb
 from gasloc.peer.swarm.absence import resync_due
@@ -209,7 +209,8 @@ class Peer:
         self.guard = MixJudge(cfg.guard, seed=secrets.randbits(63))
         self._far = self.guard.streak  # one far-rejection streak: the judge's
         self.val_batches = self.data.val_batches()
-        self.fault = make_fault(cfg.fault, self.params)  # tests only (peer/fault.py); a no-op otherwise
+        # tests only (peer/fault.py; a no-op otherwise); the hostile bias modes size their offers from our guard's tau
+        self.fault = make_fault(cfg.fault, self.params, seen=lambda: guard_seen(self.guard))
 
         self.averaging = self._make_averaging()  # DiLoCo forks its averager here (main thread)
         self._install_signals()  # hivemind's averager start sets SIGINT to SIG_IGN in this process

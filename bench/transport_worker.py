@@ -56,8 +56,20 @@ def digest(ts: list[torch.Tensor]) -> list[tuple[float, torch.Tensor]]:
 
 def check(got, want_digest, wire: str, exact: bool = True) -> str:
     """"ok" when `got` matches the digest: bit-exact for a float32 transfer, within 16-bit rounding otherwise, and
-    within float32 rounding for the averager's float32 mean (`exact=False`). Else "MISMATCH" with what differs, so
-    a rare failure says whether the values are off a little or not averaged at all."""
+    within float32 rounding for the averager's float32 mean (`exact=False`); a blockwise codec within one step of
+    its scale, and its sum within six standard deviations of stochastic rounding's noise. Else "MISMATCH" with what
+    differs, so a rare failure says whether the values are off a little or not averaged at all."""
+    from gasloc.protocol.codec import parse
+    codec = parse(wire)
+    if codec.block:
+        for i, (t, (total, head)) in enumerate(zip(got, want_digest)):
+            step = float(head.abs().max()) / ((1 << (codec.bits - 1)) - 1) * 2   # a block's max may exceed the head's
+            diff = (t.reshape(-1)[:SAMPLE].float() - head).abs()
+            total_got = float(t.double().sum())
+            if float(diff.max()) > step or abs(total_got - total) > 6 * step * t.numel() ** 0.5:
+                return (f"MISMATCH tensor {i} ({wire}): max |diff| {float(diff.max()):.3g} against a step of "
+                        f"{step:.3g}, sum {total_got:.6g} against {total:.6g}")
+        return "ok"
     tol = 2e-3 if wire != "float32" else (0.0 if exact else 1e-6)
     for i, (t, (total, head)) in enumerate(zip(got, want_digest)):
         h = t.reshape(-1)[:SAMPLE].float()
@@ -124,7 +136,9 @@ class Worker:
             own = make_tensors(params, seed_mine)
             self.bundles[(params, wire)] = {
                 "own": own, "want": digest(theirs), "avg": digest([(a + b) / 2 for a, b in zip(own, theirs)]),
-                "recv": [torch.empty(params // NUM_TENSORS, dtype=getattr(torch, wire)) for _ in range(NUM_TENSORS)]}
+                # tcp and the raw stream move a cast's bytes; a blockwise codec is the exchange's alone
+                "recv": [torch.empty(params // NUM_TENSORS, dtype=getattr(torch, wire, torch.uint8))
+                         for _ in range(NUM_TENSORS)]}
             del theirs
         b = self.bundles[(params, wire)]
         st = {"method": method, "params": params, "wire": wire, "own": b["own"], "want": b["want"], "recv": b["recv"]}

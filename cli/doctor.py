@@ -25,6 +25,8 @@ class DoctorConfig(BaseModel):
     timeout_s: float = Field(10.0, gt=0, description="per network step (p2pd start, connect, ping)")
     max_clock_skew_s: float = Field(3.0, gt=0, description="FAIL above this clock difference to a peer (WARN "
                                     "above a third of it); hivemind's own limit is 3 s")
+    peer_config: Path | None = Field(None, description="the config file the peer will run with (gasloc peer "
+                                     "--config): what it sends on the wire is read from it; unset: the defaults")
 
     @field_validator("initial_peers")
     @classmethod
@@ -43,14 +45,21 @@ class DoctorConfig(BaseModel):
 
 
 def run_checks(cfg: DoctorConfig) -> list:
-    from gasloc.cli.doctor_checks import check_cuda, check_dir_writable, check_disk, check_port, network_checks
+    from gasloc.cli.doctor_checks import (
+        check_codec,
+        check_cuda,
+        check_dir_writable,
+        check_disk,
+        check_port,
+        network_checks,
+    )
 
     checks = [check_port(cfg.port)]
     port = checks[0].status == "OK" and cfg.port or 0   # a port in use would make p2pd fail: probe another
     checks += network_checks(cfg.initial_peers, cfg.announce_maddrs, cfg.public, cfg.timeout_s, cfg.max_clock_skew_s,
                              port=port, run_id=cfg.run_id)
     checks += [check_dir_writable(cfg.checkpoint_dir), check_disk(cfg.checkpoint_dir, cfg.min_free_disk_gb),
-               check_cuda()]
+               check_cuda(), check_codec(cfg.peer_config)]
     return checks
 
 
@@ -86,6 +95,7 @@ def render(checks: list) -> None:
 @click.option("--run-id", help="the run to join (its peers answer the reachability probe) [gasloc]")
 @click.option("--checkpoint-dir", type=click.Path(), help="where checkpoints will go [runs]")
 @click.option("--timeout-s", type=float, help="per network step [10]")
+@click.option("--peer-config", type=click.Path(dir_okay=False), help="the peer's config file (its wire codec)")
 def doctor(config_file, print_config, **flags) -> None:
     """Check this machine for a swarm: p2pd, initial peers, addresses, port, clock, GPU, disk; exit 1 on FAIL."""
     from gasloc.runtime.config import resolve_for_cli

@@ -143,6 +143,32 @@ def check_cuda(min_free_gb: float = 2.0) -> Check:
 
 
 # ------------------------------------------------------------------------------------------- network checks
+def check_codec(peer_config: Path | None) -> Check:
+    """Which codec the peer's exchanges send (exchange.codec), and what an exchange of its model costs."""
+    import torch
+
+    from gasloc.peer.config import PeerConfig
+    from gasloc.peer.train.model import build_model
+    from gasloc.protocol.codec import parse
+    from gasloc.runtime.config import ConfigError, resolve
+
+    try:
+        cfg = resolve(PeerConfig, str(peer_config) if peer_config else None, {}, environ={})
+    except ConfigError as e:
+        return Check("wire codec", FAIL, f"{peer_config}: {e}", "fix the peer's config file")
+    c = parse(cfg.exchange.codec)
+    # the tensor sizes without allocating the model (meta device); an HF tokenizer's vocabulary is not loaded here,
+    # so the embeddings are counted at the byte vocabulary's 256 and the figure says so
+    with torch.device("meta"):
+        numels = [p.numel() for p in build_model(cfg.model, 256, seed=0).parameters()]
+    per = c.bits_per_param(numels) / 8
+    vocab = "" if cfg.data.tokenizer == "bytes" else " (embeddings at a 256-token vocabulary)"
+    note = "lossless" if c.lossless else "partners mix each other's decoded forms (docs/codecs.md)"
+    return Check("wire codec", OK, f"exchange.codec = {c.name}: {8 * per:.2f} bits a parameter; the {cfg.model.preset} "
+                 f"model{vocab} sends {sum(numels) * per / 1e6:.1f} MB each way an exchange; {note}; state "
+                 "downloads are lossless")
+
+
 async def _ping(p2p, maddr: str, timeout_s: float, max_skew_s: float) -> list[Check]:
     """Connect to one initial peer, then a DHT ping, whose answer carries the peer's clock (PingResponse.dht_time)."""
     from hivemind.dht.protocol import DHTProtocol

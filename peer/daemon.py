@@ -231,11 +231,11 @@ class Peer:
                        metrics_url=self.metrics_url,
                        reachability="private" if self.net.private else "public",
                        reachability_source=self.net.reach_source,
-                       dht_mode="client" if self.net.dht_client else "server")
+                       dht_mode="client" if self.net.dht_client else "server", codec=self.cfg.exchange.codec)
         log.info("ready peer_id=%s round=%d initial_loss=%.4f joined_from=%s device=%s params=%d reachability=%s "
-                 "source=%s dht=%s", self.peer_id, self.round, initial_loss, joined_from, self.device, n_params,
-                 "private" if self.net.private else "public", self.net.reach_source,
-                 "client" if self.net.dht_client else "server")
+                 "source=%s dht=%s codec=%s", self.peer_id, self.round, initial_loss, joined_from, self.device,
+                 n_params, "private" if self.net.private else "public", self.net.reach_source,
+                 "client" if self.net.dht_client else "server", self.cfg.exchange.codec)
         emit_ready("peer", self.peer_id, self.net.maddrs)
 
     def _make_sink(self) -> MetricsSink:

@@ -110,8 +110,10 @@ class Codec:
     def encode(self, t: torch.Tensor, out: torch.Tensor | None = None, generator: torch.Generator | None = None,
                seed: int | None = None) -> torch.Tensor:
         """`t` (any float dtype, any device) as payload bytes: a uint8 CPU tensor of `tensor_bytes(t.numel())`,
-        written into `out` when given. Stochastic rounding draws from `generator` (None: torch's default); a
-        sparse codec sends the blocks `block_choice(numel, seed)` picks."""
+        written into `out` when given. Stochastic rounding draws from `generator` (None: torch's default; a tensor
+        on a GPU always draws from its device's default generator); a sparse codec sends the blocks
+        `block_choice(numel, seed)` picks. A GPU tensor is quantized on its device and only the payload (bits/32 of
+        the tensor) crosses to the host."""
         n = t.numel()
         size = self.tensor_bytes(n)
         if out is None:
@@ -121,7 +123,10 @@ class Codec:
         if self.cast is not None:
             out.view(self.cast).copy_(t.detach().reshape(-1))
             return out
-        x = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        host, dev = out, t.device
+        if dev.type != "cpu":
+            out, generator = torch.empty(size, dtype=torch.uint8, device=dev), None
+        x = t.detach().reshape(-1).to(torch.float32)
         nb = -(-n // self.block)
         if nb * self.block != n:
             x = torch.nn.functional.pad(x, (0, nb * self.block - n))
@@ -129,7 +134,7 @@ class Codec:
         if self.sparse:
             if seed is None:
                 raise CodecError(f"{self.name}: a sparse codec encodes with the exchange's seed")
-            xb = xb[self.block_choice(n, seed)]
+            xb = xb[self.block_choice(n, seed).to(dev)]
             nb = xb.shape[0]
         qmax = (1 << (self.bits - 1)) - 1
         scales = out[:2 * nb].view(torch.float16)
@@ -138,12 +143,14 @@ class Codec:
         s[s == 0] = 1.0                                     # an all-zero block: codes qmax, decoded 0
         q = xb / s.unsqueeze(1)
         if self.stochastic:
-            q.add_(torch.rand(q.shape, generator=generator)).floor_()
+            q.add_(torch.rand(q.shape, generator=generator, device=dev)).floor_()
         else:
             q.round_()
         codes = q.clamp_(-qmax, qmax).add_(qmax).to(torch.uint8)
         _pack(codes.view(-1), self.bits, out[2 * nb:])
-        return out
+        if out is not host:
+            host.copy_(out)   # the payload only: bits/32 of the tensor crosses to the host
+        return host
 
     @torch.no_grad()
     def decode(self, payload: torch.Tensor, out: torch.Tensor, seed: int | None = None,
@@ -226,7 +233,7 @@ def _pack(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
         return
     per = _group(bits)
     c = codes.view(-1, per).to(torch.int32)   # blocks are multiples of 8 codes, so whole groups
-    acc = torch.zeros(c.shape[0], dtype=torch.int32)
+    acc = torch.zeros(c.shape[0], dtype=torch.int32, device=codes.device)
     for k in range(per):
         acc |= c[:, k] << (bits * k)
     nbytes = per * bits // 8
@@ -239,14 +246,14 @@ def _unpack(payload: torch.Tensor, bits: int, ncodes: int) -> torch.Tensor:
     if bits == 8:
         return payload
     if bits == 4:
-        codes = torch.empty(ncodes, dtype=torch.uint8)
+        codes = torch.empty(ncodes, dtype=torch.uint8, device=payload.device)
         torch.bitwise_and(payload, 0x0F, out=codes[0::2])
         torch.bitwise_right_shift(payload, 4, out=codes[1::2])
         return codes
     per = _group(bits)
     nbytes = per * bits // 8
     b = payload.view(-1, nbytes).to(torch.int32)
-    acc = torch.zeros(b.shape[0], dtype=torch.int32)
+    acc = torch.zeros(b.shape[0], dtype=torch.int32, device=payload.device)
     for j in range(nbytes):
         acc |= b[:, j] << (8 * j)
     mask = (1 << bits) - 1

@@ -163,7 +163,7 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
 # keeps the two lists equal)
 SUITE_NAMES = ("paper", "paper-cosine", "smoke", "overlap", "overlap-smoke", "hetero", "hetero-smoke", "scale",
                "scale-smoke", "tune-h1", "tune-h1-smoke", "tune-h20", "tune-h20-smoke", "tune-h20-mix", "decay-h20",
-               "decay-h20-smoke", "codecs", "codecs-smoke")
+               "decay-h20-smoke", "codecs", "codecs-c", "codecs-smoke")
 
 
 @sim.command()
@@ -176,7 +176,7 @@ SUITE_NAMES = ("paper", "paper-cosine", "smoke", "overlap", "overlap-smoke", "he
               "behind GASLoC's H-aware outer defaults (~5 min); tune-h20: the H = 20 sweep against DiLoCo (~8 min); "
               "tune-h20-mix: claim (b)'s GASLoC with one change each (~10 min); decay-h20: claim (b) under "
               "decaying inner-lr schedules (~10 min); codecs: claim (b)'s GASLoC per wire codec and seed against the "
-              "fp32 wire (~25 min); *-smoke: a seconds-long check of the same.")
+              "fp32 wire (~25 min); codecs-c: claim (c) per codec; *-smoke: a seconds-long check of the same.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every run here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of validation loss against simulated time.")

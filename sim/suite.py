@@ -92,9 +92,10 @@ def time_to_reach(r: Result, loss: float, interpolate: bool = False) -> float | 
     return None
 
 
-def claim_speedup(limit: float) -> Callable[[Results], tuple[bool, str]]:
+def claim_speedup(limit: float, gasloc: str = "c-gasloc", diloco: str = "c-diloco"
+                  ) -> Callable[[Results], tuple[bool, str]]:
     def check(res: Results) -> tuple[bool, str]:
-        g, d = res["c-gasloc"], res["c-diloco"]
+        g, d = res[gasloc], res[diloco]
         target, t_d = _final(d), d["final_sim_time_s"]
         t_g = time_to_reach(g, target)
         if t_g is None:
@@ -243,13 +244,23 @@ def claim_codec(codec: str, seeds: list[int], tol: float) -> Callable[[Results],
 
 
 def codec_suite(name: str, *, workers: int, base: dict, b: dict, seeds: list[int], codecs: dict[str, float],
-                notes: list[str]) -> Suite:
+                notes: list[str], c: dict | None = None, c_gasloc: dict | None = None) -> Suite:
     """Issue 32's check of the wire codecs: claim (b)'s GASLoC run once per codec and seed, beside the fp32 wire
-    (`codecs`: name -> the loss bound its claim checks, as a fraction over fp32; paired by seed)."""
+    (`codecs`: name -> the loss bound its claim checks, as a fraction over fp32; paired by seed). With `c`: claim
+    (c)'s runs too, GASLoC once per codec against one DiLoCo (seed 0), each with claim (c)'s check."""
     b = {"workers": workers, "topology": "random", "outer.algorithm": "gasloc", **b}
-    runs = [RunSpec(f"{c}-s{s}", {**b, "seed": s, "codec": c}) for s in seeds for c in ("float32", *codecs)]
-    claims = [Claim(c, f"codec {c}: final val loss within {100 * tol:g}% of the fp32 wire's at equal tokens "
-                    "(paired seeds)", claim_codec(c, seeds, tol)) for c, tol in codecs.items()]
+    runs = [RunSpec(f"{x}-s{s}", {**b, "seed": s, "codec": x}) for s in seeds for x in ("float32", *codecs)]
+    claims = [Claim(x, f"codec {x}: final val loss within {100 * tol:g}% of the fp32 wire's at equal tokens "
+                    "(paired seeds)", claim_codec(x, seeds, tol)) for x, tol in codecs.items()]
+    if c is not None:
+        c = {"workers": workers, "clock.profile": "half-slow-10x", **c}
+        runs.append(RunSpec("c-diloco", {**c, "outer.algorithm": "diloco"}))
+        for x in ("float32", *codecs):
+            runs.append(RunSpec(f"c-gasloc-{x}", {**c, "topology": "random", "outer.algorithm": "gasloc",
+                                                   **(c_gasloc or {}), "codec": x},
+                                after="c-diloco", derive=_until_diloco(3.0)))
+            claims.append(Claim(f"c-{x}", f"half-slow-10x, codec {x}: GASLoC reaches DiLoCo's final val loss in "
+                                "<= 0.6x DiLoCo's simulated wall-clock", claim_speedup(0.6, f"c-gasloc-{x}")))
     return Suite(name, base, runs, claims, notes)
 
 
@@ -559,6 +570,14 @@ SUITES: dict[str, Suite] = {
         notes=["paper-cosine's claim (b) setup (8 workers, tiny preset, H = 20, inner lr 2e-3 decayed by a cosine over "
                "600 steps, 30 rounds, random, uniform links, schedule live), GASLoC with its defaults, once per "
                "codec and seed; both sides mix the wire forms (symmetric mixing)"]),
+    # claim (c) of paper-cosine once per codec: what the bytes saved buy in wall-clock on half-slow-10x links
+    "codecs-c": codec_suite(
+        "codecs-c", workers=8, base=PAPER_BASE, b={}, seeds=[], codecs={"int4": 0.005, "int8-p10": 0.02},
+        c={"inner.inner_steps": 20, "rounds": 30, "eval_every": 1, "inner.lr": 2e-3, "inner.total_steps": 600},
+        c_gasloc={"bandwidth_weighted": True, "search.slower_link_ratio": 3.0},
+        notes=["paper-cosine's claim (c) (half the links 10x slower, the clock charging a 100M-parameter model's "
+               "bytes) with GASLoC once per codec, each run until it reaches DiLoCo's final loss; DiLoCo's "
+               "all-reduce is charged clock.bytes_per_param (2: fp16), as in the paper suites"]),
     "codecs-smoke": codec_suite(
         "codecs-smoke", workers=4, base={**PAPER_BASE, "model.seq_len": 32, "data.batch_size": 2,
                                          "data.val_batches": 1, "inner.warmup_steps": 2},

@@ -47,7 +47,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
 
@@ -197,7 +197,6 @@ class _Offer:
     used: bool = False
     wire: list[torch.Tensor] | None = None       # our payload in our codec (a dense codec: once per offer)
     own: list[torch.Tensor] | None = None        # and as the partner decodes it (None: lossless)
-    wire_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 async def _maybe_await(v):
@@ -258,6 +257,8 @@ class Exchanger:
                           members=WIDEST_MEMBERS)))
         self.rejected_unread = 0       # callers closed before a byte was read (over the handler cap)
         self._offer: _Offer | None = None
+        self._prep: set[asyncio.Task] = set()           # offers' encodings started at offer()
+        self._encode_lock = asyncio.Lock()              # one encoding at a time: they share the staging buffers
         self._engagement: _Engagement | None = None
         self._handlers: set[asyncio.Task] = set()
         self._incoming: asyncio.Queue[ExchangeResult] = asyncio.Queue()
@@ -273,6 +274,8 @@ class Exchanger:
 
     async def stop(self) -> None:
         await self.withdraw()
+        if self._prep:   # an offer's encoding in a worker thread: let it end, it writes into our buffers
+            await asyncio.wait(list(self._prep), timeout=30)
         for task in list(self._handlers):
             task.cancel()
         if self._started:
@@ -302,7 +305,16 @@ class Exchanger:
             if dropped.ok:
                 log.warning("offer round=%s: dropped an uncollected successful incoming exchange with partner=%s "
                             "(call withdraw() at the end of each round)", round, dropped.partner)
-        self._offer = _Offer([t.detach().contiguous() for t in tensors], round)
+        self._offer = offer = _Offer([t.detach().contiguous() for t in tensors], round)
+        if not self.codec.sparse:
+            # encode now, in a worker thread while we search or wait: an exchange then starts with the payload ready
+            # instead of spending the encode on its own clock (a sparse codec waits for the exchange's seed)
+            try:
+                task = asyncio.get_running_loop().create_task(self._wire_tensors(offer, 0))
+            except RuntimeError:   # no loop (a test's direct call): the first exchange encodes
+                return
+            self._prep.add(task)
+            task.add_done_callback(self._prep.discard)
 
     async def withdraw(self) -> list[ExchangeResult]:
         """End of round: stop accepting and return the incoming results not collected with wait_incoming (an ok one
@@ -578,7 +590,7 @@ class Exchanger:
     async def _wire_tensors(self, offer: _Offer, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Our payload in our codec and our own wire form, encoded in a worker thread once per offer (a sparse
         codec: once per exchange, its blocks picked by the exchange's seed)."""
-        async with offer.wire_lock:
+        async with self._encode_lock:
             if offer.wire is None or self.codec.sparse:
                 def encode():
                     wire = self.staging.encode(offer.tensors, seed)

@@ -1,0 +1,124 @@
+"""protocol/codec.py and the symmetric mix (protocol/averaging.py mix_pair_): sizes, round trips, names, hostile
+payloads, and the pair mean that mixing the wire forms keeps where mixing our exact tensors did not."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gasloc.protocol.averaging import mix_pair_
+from gasloc.protocol.codec import DEFAULT_CODEC, CodecError, parse
+
+
+def tensors(seed, numels=(300 * 500, 77, 1, 64, 4096)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) * 0.02 for n in numels]
+
+
+@pytest.mark.parametrize("name,bits,bpp", [("float32", 32, 32.0), ("float16", 16, 16.0), ("bfloat16", 16, 16.0),
+                                           ("int8", 8, 8.25), ("int4", 4, 4.25), ("int3", 3, 3.25),
+                                           ("int2", 2, 2.25), ("int4-b256", 4, 4.0625)])
+def test_sizes_are_exact_golden_numbers(name, bits, bpp):
+    c = parse(name)
+    assert c.bits == bits
+    assert c.bits_per_param([64 * 1000]) == pytest.approx(bpp)   # whole blocks: scales included, no padding
+    assert c.encode(torch.zeros(64 * 1000)).numel() == c.tensor_bytes(64 * 1000)
+
+
+def test_the_default_codec_is_at_most_half_a_byte_a_parameter_of_tiny():
+    # 885,888 parameters, every tensor a multiple of 64 values: int4 is 470,628 bytes = 0.531 bytes a parameter
+    from gasloc.peer.train.model import ModelConfig, build_model
+    numels = [p.numel() for p in build_model(ModelConfig(preset="tiny"), 256, seed=0).parameters()]
+    assert sum(numels) == 885_888
+    c = parse(DEFAULT_CODEC)
+    assert c.payload_bytes(numels) / sum(numels) <= 0.55
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int4-rn", "int3", "int2", "int8-b8", "int4-b4096"])
+def test_blockwise_round_trip_is_within_one_step_of_each_blocks_scale(name):
+    c = parse(name)
+    qmax = (1 << (c.bits - 1)) - 1
+    for x in tensors(0):
+        y = c.decode(c.encode(x), torch.empty_like(x))
+        pad = -x.numel() % c.block
+        xb = torch.nn.functional.pad(x, (0, pad)).view(-1, c.block)
+        step = (xb.abs().amax(1) / qmax).repeat_interleave(c.block)[:x.numel()]
+        assert ((y - x).abs() <= step * (1.0 if c.stochastic else 0.5) * 1.01 + 1e-12).all()
+
+
+def test_stochastic_rounding_is_unbiased_and_nearest_is_not():
+    x = torch.linspace(-1, 1, 64) * 0.37 + 0.011   # values between grid points
+    sr, rn = parse("int2"), parse("int2-rn")
+    g = torch.Generator().manual_seed(0)
+    mean = torch.stack([sr.decode(sr.encode(x, generator=g), torch.empty(64)) for _ in range(4000)]).mean(0)
+    assert (mean - x).abs().max() < 0.02                      # E[Q(x)] = x
+    assert (rn.decode(rn.encode(x), torch.empty(64)) - x).abs().max() > 0.1   # three levels: nearest is biased
+
+
+def test_casts_round_trip_and_float32_is_lossless():
+    x = tensors(1)[0]
+    assert parse("float32").lossless and torch.equal(parse("float32").decode(parse("float32").encode(x),
+                                                                             torch.empty_like(x)), x)
+    for name, tol in (("float16", 2 ** -11), ("bfloat16", 2 ** -8)):
+        y = parse(name).decode(parse(name).encode(x), torch.empty_like(x))
+        assert torch.allclose(y, x, rtol=tol, atol=1e-7) and not parse(name).lossless
+
+
+def test_sparse_codec_sends_the_same_blocks_for_a_seed_and_decodes_over_the_fill():
+    c = parse("int8-p10")
+    x, fill = tensors(2)[0], tensors(3)[0]
+    assert torch.equal(c.block_choice(x.numel(), 7), c.block_choice(x.numel(), 7))
+    assert not torch.equal(c.block_choice(x.numel(), 7), c.block_choice(x.numel(), 8))
+    y = c.decode(c.encode(x, seed=7), torch.empty_like(x), 7, fill=fill)
+    moved = (y != fill)
+    chosen = torch.zeros(-(-x.numel() // 64), dtype=torch.bool)
+    chosen[c.block_choice(x.numel(), 7)] = True
+    assert not moved[~chosen.repeat_interleave(64)[:x.numel()]].any()        # the rest is the fill, untouched
+    assert c.bits_per_param([64 * 1000]) == pytest.approx(0.825)
+    with pytest.raises(CodecError, match="seed"):
+        c.encode(x)
+
+
+@pytest.mark.parametrize("bad", ["int5", "int4-b7", "int4-b8192", "int4-p0", "float64", "int4-xx", "", "i" * 40,
+                                 "int4-p100"])
+def test_unknown_or_malformed_codec_names_say_why(bad):
+    with pytest.raises(CodecError):
+        parse(bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(["int8", "int4", "int3", "int2", "float16", "bfloat16", "int8-p10"]),
+       numel=st.integers(1, 700), data=st.data())
+def test_any_payload_of_the_right_size_decodes_and_any_other_size_is_refused(name, numel, data):
+    """A hostile partner controls every payload byte: a payload of the size the header promised decodes to some
+    tensor (NaN/Inf included: the exchange's finite check rejects those) and never raises; a wrong size is an error
+    that names the codec."""
+    c = parse(name)
+    n = c.tensor_bytes(numel)
+    raw = torch.tensor(list(data.draw(st.binary(min_size=n, max_size=n))), dtype=torch.uint8)
+    out = torch.empty(numel)
+    c.decode(raw, out, 1, fill=torch.zeros(numel))
+    with pytest.raises(CodecError, match=c.name):
+        c.decode(torch.zeros(n + 1, dtype=torch.uint8), out, 1, fill=torch.zeros(numel))
+
+
+@pytest.mark.parametrize("name", ["float32", "float16", "int8", "int4", "int2"])
+def test_mixing_the_wire_forms_keeps_the_pair_mean_where_mixing_our_exact_tensors_moved_it(name):
+    c = parse(name)
+    ya, yb = tensors(4), tensors(5)
+    g = torch.Generator().manual_seed(1)
+    qa = [c.decode(c.encode(t, generator=g), torch.empty_like(t)) for t in ya]
+    qb = [c.decode(c.encode(t, generator=g), torch.empty_like(t)) for t in yb]
+    own_a, own_b = (None, None) if c.lossless else (qa, qb)
+    za = mix_pair_([t.clone() for t in qb], ya, own_a, 0.5)
+    zb = mix_pair_([t.clone() for t in qa], yb, own_b, 0.5)
+    for x, y, a, b in zip(za, zb, ya, yb):
+        assert torch.allclose(x + y, a + b, atol=1e-7, rtol=0)
+    if not c.lossless:   # the old mix, y_i + w (Q(y_j) - y_i): the pair's sum moves by w (Q(y) - y) on each side
+        old = sum(float(((a + 0.5 * (qb_ - a)) + (b + 0.5 * (qa_ - b)) - (a + b)).abs().max())
+                  for a, b, qa_, qb_ in zip(ya, yb, qa, qb))
+        assert old > 1e-5
+
+
+def test_mix_pair_refuses_a_weight_outside_zero_to_one():
+    with pytest.raises(ValueError):
+        mix_pair_([torch.zeros(2)], [torch.zeros(2)], None, 1.5)

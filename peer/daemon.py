@@ -31,7 +31,7 @@ import torch
 from gasloc.peer.config import PeerConfig
 from gasloc.peer.fault import NoFault, guard_seen, make_fault
 from gasloc.peer.fingerprint import run_fingerprint
-from gasloc.peer.metrics import JsonlSink, MetricsSink, NullSink, peak_memory_mb
+from gasloc.peer.metrics import JsonlSink, MetricsSink, NullSink
 from gasloc.peer.swarm.absence import resync_due
 from gasloc.peer.swarm.gossip import Background
 from gasloc.peer.swarm.network import Network, PeerStatus
@@ -39,6 +39,8 @@ from gasloc.peer.swarm.round_report import RoundExchange, relative_distance
 from gasloc.peer.train.data import build_data, evaluate, private_batches
 from gasloc.peer.train.inner import make_inner_optimizer, run_inner_phase
 from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
+from gasloc.peer.train.memory import (DoesNotFit, RoundPeak, check_fit, evaluate_with, is_out_of_memory,
+                                      oom_refusal, outgoing_specs, write_oom_marker)
 from gasloc.peer.train.outer import make_outer, mix_applied_once
 from gasloc.protocol.averaging import group_mean_weight, mix_pair_
 from gasloc.protocol.decision import Decision, MixJudge
@@ -51,6 +53,8 @@ from gasloc.runtime.safeproc import remove_own_shm
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_ERROR, EXIT_FORCED = 0, 1, 130
+# out of memory: at start (the round does not fit) or mid-run; the same settings then refuse at once on a restart
+EXIT_NO_MEMORY = DoesNotFit.exit_code
 LINK_DECAY = 0.9  # per exchange: a link estimate from 20 exchanges ago counts for 0.9^20 = 12%
 MAX_RECOVERIES = 3  # non-finite losses in a row, each recovered from the last checkpoint, before the peer gives up
 
@@ -157,6 +161,9 @@ class Peer:
         except StartupError:
             self.stop_reason = "startup_failed"
             raise
+        except DoesNotFit:
+            self.stop_reason = "out_of_memory"
+            raise
         finally:
             self._shutdown()
         return EXIT_OK
@@ -186,6 +193,9 @@ class Peer:
         self.device = pick_device(cfg.run.device)
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
+        refusal = oom_refusal(self.run_dir, cfg, self.device)  # before anything starts: no crash loop
+        if refusal is not None:
+            raise DoesNotFit(refusal)
 
         try:  # before any networking: a bad data setting fails in a second, not after joining the swarm
             self.data, tok = build_data(cfg.data, cfg.model.seq_len, worker_seed=worker_seed(self.run_dir))
@@ -198,6 +208,10 @@ class Peer:
         self.net.start_dht()
         self.peer_id = self.net.peer_id
 
+        # one dry inner and outer step on a throwaway model: refuse now, in one line, what would run out of memory
+        # mid-round (peer/train/memory.py); before the model exists, so the two never coexist
+        self.fit = check_fit(cfg, tok.vocab_size, self.device)
+        self._peak = RoundPeak(self.device)
         self.model = build_model(cfg.model, tok.vocab_size, seed=cfg.run.seed).to(self.device)
         maybe_compile(self.model, cfg.model, self.device)
         self.params = list(self.model.parameters())
@@ -218,15 +232,15 @@ class Peer:
         joined_from = self._resume_or_join()
         self.net.start_state_server()
         # what the exchange carries: the shapes of outer.outgoing (NoLoCo sends two tensors per parameter)
-        probe = make_outer(cfg.outer, self.params).outgoing(self.params)
-        self.averaging.start([(tuple(t.shape), t.dtype) for t in probe], self.fingerprint)
-        del probe
+        self.averaging.start(outgoing_specs(cfg.outer, self.params), self.fingerprint)
         self._set_state("training", wait=True)
 
         initial_loss = evaluate(self.model, self.val_batches, autocast_for(self.device))
         n_params = sum(p.numel() for p in self.params)
         self.sink.emit("start", peer_id=self.peer_id, fingerprint=self.fingerprint,
                        algorithm=cfg.outer.algorithm, initial_loss=initial_loss, joined_from=joined_from,
+                       memory_need_mb=self.fit.need_bytes / 1e6, memory_headroom_mb=self.fit.headroom.bytes / 1e6,
+                       peak_mem_per_round=self._peak.resettable,
                        round=self.round, num_params=n_params, device=str(self.device), maddrs=self.net.maddrs,
                        metrics_url=self.metrics_url,
                        reachability="private" if self.net.private else "public",
@@ -439,8 +453,28 @@ class Peer:
                 if not self._recover(e):
                     raise
                 continue
+            except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+                if not is_out_of_memory(e):
+                    raise
+                self._out_of_memory(e)
             self._recoveries = 0
             rounds_done += 1
+
+    def _out_of_memory(self, err: BaseException) -> None:
+        """Out of memory mid-round: end the peer with one line and EXIT_NO_MEMORY, and leave a marker so that a
+        restart with the same settings refuses at once (a restart would meet the same peak: a crash loop). The
+        round is lost; shutdown writes no checkpoint of its half-done state."""
+        round_no = self.round + 1
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # room for the shutdown's own steps
+        path = write_oom_marker(self.run_dir, self.cfg, self.device, round_no, err)
+        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        msg = (f"out of memory in round {round_no} on {self.device} (peak {self._peak.mb():.0f} MB this round; the "
+               f"start-up check measured {self.fit.need_bytes / 1e6:.0f} MB of {self.fit.headroom.bytes / 1e6:.0f} MB "
+               f"{self.fit.headroom.source}): {first}; lower data.batch_size or model.seq_len (a restart with the same "
+               f"settings refuses: {path.name})")
+        log.error("%s", msg)
+        raise DoesNotFit(msg) from None
 
     def _one_round(self) -> None:
         (self._overlap_round if self.cfg.outer.overlap else self._plain_round)()
@@ -520,6 +554,7 @@ class Peer:
 
     # ------------------------------------------------------------------ the steps rounds are made of
     def _round_start(self) -> RoundStart:
+        self._peak.reset()  # peak_mem_mb is per round
         return RoundStart(self.data.state_dict(), self.inner_steps_total)
 
     def _dropped_if_cut(self, phase: InnerPhase, start: RoundStart) -> bool:
@@ -592,7 +627,7 @@ class Peer:
             bytes_sent=ex.bytes_sent, bytes_received=ex.bytes_received, exchange_s=ex.exchange_s,
             consensus=consensus, compute_s=phase.compute_s, wait_s=ex.wait_s, transfer_s=ex.transfer_s,
             outer_s=outer_s, round_s=round_s, tokens_per_s=self.throughput_tps,
-            peak_mem_mb=peak_memory_mb(self.device), attempts=ex.attempts, passed_over=ex.passed_over,
+            peak_mem_mb=self._peak.mb(), attempts=ex.attempts, passed_over=ex.passed_over,
             live_peers=self.live_count(), detail=ex.detail or None, code=ex.code, **_guard_fields(ex.guard),
             rejected_partner=ex.rejected_partner,
             path=ex.path if ex.ok else None, **self.net.nat_metrics(), **self.net.membership_metrics())
@@ -723,14 +758,11 @@ class Peer:
 
     @torch.no_grad()
     def _evaluate_at(self, point: list[torch.Tensor], batches: list[torch.Tensor] | None = None) -> float:
-        """Validation loss of the model with `point` as its parameters (a transient copy of the current ones), on
-        `batches` (default: all validation batches)."""
-        saved = [p.detach().clone() for p in self.params]
-        torch._foreach_copy_(self.params, point)
-        try:
-            return evaluate(self.model, self.val_batches if batches is None else batches, autocast_for(self.device))
-        finally:
-            torch._foreach_copy_(self.params, saved)
+        """Validation loss of the model with `point` as its parameters, on `batches` (default: all validation
+        batches). Our parameters are neither cloned nor written: the model runs with `point` in their place
+        (peer/train/memory.py evaluate_with), so a partner's batch check costs activations, not a model copy."""
+        return evaluate_with(self.model, point, self.val_batches if batches is None else batches,
+                             autocast_for(self.device))
 
     # ------------------------------------------------------------------ state shared with the network side
     def live_count(self) -> int:

@@ -7,8 +7,9 @@ bounds what such a claim can decide by something we observed ourselves:
 
 - rounds (`RoundClaims`): a claim is believed up to the median of the claims we already believe (one vote per
   peer; our own round among them once we train) plus `slack` when we first see its peer, and from then on it may
-  grow at most `speedup` rounds per round of ours. What is over that is cut to it: a liar then counts as a peer
-  slightly ahead, in the "behind" median, the donor choice and the round a joiner takes over (the lr schedule);
+  grow at most `speedup` rounds per round of ours (or per our round time, when time went on without our rounds).
+  What is over that is cut to it: a liar then counts as a peer slightly ahead, in the "behind" median, the donor
+  choice and the round a joiner takes over (the lr schedule);
 - readiness (`stale_ready`): a peer we have seen announcing "exchanging" at the same round for longer than a
   round's plausible time (its search and its exchange, plus how often records are refreshed) is not in our ready
   set: a record that says "exchanging" for ever is not picked for ever;
@@ -33,38 +34,42 @@ def median_cap(rounds: Iterable[int], slack: int) -> int | None:
 class RoundClaims:
     """Round claims as far as our own observation lets us believe them.
 
-    `observe(claims, own_round)` after each listing: a peer seen for the first time is believed up to the median of
-    the claims already believed (ours included when `own_round` is given) plus `slack`; with nobody believed yet
-    (a joiner's first listing), the median of that listing's claims plus `slack`. Later its claim may grow by at
-    most `speedup` rounds per round of ours since then (`plausible`): the anchor is the lower of its first claim and
-    that median, and what we believe is at most anchor + slack + speedup x (our rounds since)."""
+    `observe(claims, own_round, now)` after each listing: a peer seen for the first time is anchored at the lower of
+    its claim and the median of the claims already believed (ours included when `own_round` is given; with nobody
+    believed yet, a joiner's first listing, the median of that listing's claims). What we believe of it later
+    (`plausible`) is at most anchor + slack + speedup x our progress since: our rounds since, or, when longer, the
+    time since in units of our own round time (`round_s`; a peer that was stopped or suspended made no rounds while
+    the swarm went on)."""
     slack: int
     speedup: float
-    first: dict[str, tuple[int, int]] = field(default_factory=dict)   # peer -> (anchor, our round) at first sight
+    first: dict[str, tuple[int, int, float]] = field(default_factory=dict)   # peer -> (anchor, our round, when)
 
-    def observe(self, claims: Mapping[str, int], own_round: int | None = None) -> None:
+    def observe(self, claims: Mapping[str, int], own_round: int | None = None, now: float = 0.0,
+                round_s: float | None = None) -> None:
         own = own_round or 0
         new = [p for p in claims if p not in self.first]
         if not new:
             return
-        known = [self.plausible(p, r, own) for p, r in claims.items() if p in self.first]
+        known = [self.plausible(p, r, own, now, round_s) for p, r in claims.items() if p in self.first]
         if own_round is not None:
             known.append(own_round)
         anchor = median_cap(known or [claims[p] for p in new], 0)
         for p in new:
-            self.first[p] = (max(0, min(claims[p], anchor)), own)
+            self.first[p] = (max(0, min(claims[p], anchor)), own, now)
 
-    def plausible(self, peer: str, claim: int, own_round: int) -> int:
-        """`claim` cut to what we believe `peer` can have reached by our round `own_round` (unseen: as is)."""
+    def plausible(self, peer: str, claim: int, own_round: int, now: float = 0.0, round_s: float | None = None) -> int:
+        """`claim` cut to what we believe `peer` can have reached by our round `own_round` at `now` (unseen: as
+        is)."""
         seen = self.first.get(peer)
         if seen is None:
             return claim
-        r0, own0 = seen
-        grown = int(self.speedup * max(0, own_round - own0))
-        return max(0, min(claim, r0 + self.slack + grown))
+        r0, own0, t0 = seen
+        progress = max(0.0, own_round - own0, (now - t0) / round_s if round_s else 0.0)
+        return max(0, min(claim, r0 + self.slack + int(self.speedup * progress)))
 
-    def believed(self, claims: Mapping[str, int], own_round: int) -> dict[str, int]:
-        return {p: self.plausible(p, r, own_round) for p, r in claims.items()}
+    def believed(self, claims: Mapping[str, int], own_round: int, now: float = 0.0,
+                 round_s: float | None = None) -> dict[str, int]:
+        return {p: self.plausible(p, r, own_round, now, round_s) for p, r in claims.items()}
 
     def forget_absent(self, present: Iterable[str]) -> None:
         """Drop peers that left the listing (a peer that comes back is seen anew: its first claim is capped again)."""

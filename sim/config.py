@@ -87,6 +87,10 @@ class SearchConfig(BaseModel):
                                     "(uniform around the clock's time; bench/hetero.py measured 0.10)")
     discovery_share: float = Field(1.0, ge=0, le=1, description="with discovery_s: the chance that a worker lists "
                                    "a given other worker before discovery_s (one draw per worker pair and seed)")
+    initial_group_size: int | None = Field(None, ge=2, description="schedule live, DiLoCo with "
+                                           "matchmaking_time_s: the start barrier (diloco.initial_group_size): the "
+                                           "first group needs this many workers; unset: all of them, as "
+                                           "bench/hetero.py runs it")
 
     @model_validator(mode="after")
     def _check(self) -> SearchConfig:

@@ -56,6 +56,10 @@ class Trainer(Protocol):
     def apply(self, i: int) -> None:
         """Apply worker i's outer update with its mixed tensors."""
 
+    def adopt(self, i: int, j: int, epoch: int) -> None:
+        """DiLoCo (sim/groups.py): worker i fell behind; it takes over worker j's state at j's last outer step
+        (epoch `epoch`), dropping its own round."""
+
     def arrive(self, i: int) -> None:
         """Overlap (lockstep only): worker i's previous mix arrived; add it now, between two inner steps."""
 

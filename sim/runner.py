@@ -76,7 +76,7 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
     if cfg.schedule == "live" and cfg.outer.algorithm == "diloco" and sc.matchmaking_time_s is not None:
         engine = GroupEngine(cfg.clock.effective(links, allreduce=True), matchmaking_s=sc.matchmaking_time_s, discovery_s=sc.discovery_s,
                              discovery_share=sc.discovery_share, jitter=sc.allreduce_jitter, seed=cfg.seed,
-                             **common)
+                             initial_group=sc.initial_group_size, **common)
     elif cfg.schedule == "live" and cfg.outer.communicates and not cfg.barrier:
         rules = SearchRules(partner_deadline_s=sc.partner_deadline_s, retry_interval_s=sc.retry_interval_s,
                             exchange_timeout_s=sc.exchange_timeout_s, bandwidth_weighting=cfg.bandwidth_weighted,

@@ -118,9 +118,11 @@ def _until_diloco(cap_factor: float) -> Callable[[Result], dict]:
 
 
 def paper_like(name: str, *, workers: int, base: dict, a: dict, a_gasloc: dict, b: dict, b_gasloc: dict,
-               c: dict, c_gasloc: dict, notes: list[str]) -> Suite:
+               c: dict, c_gasloc: dict, notes: list[str], c_matchmaking_s: float | None = None) -> Suite:
     """The issue's three claims. `a`, `b`, `c`: overrides shared by a claim's runs (H, rounds, lr, ...);
-    `*_gasloc`: GASLoC's own settings in that claim (the baselines keep their published defaults)."""
+    `*_gasloc`: GASLoC's own settings in that claim (the baselines keep their published defaults).
+    `c_matchmaking_s`: claim (c) once more against DiLoCo as the live peer runs it (sim/groups.py: hivemind's
+    matchmaking keyed by epoch, a start barrier of every worker, no solo step), beside the lock-step reference."""
     runs: list[RunSpec] = []
     a = {"workers": workers, "inner.inner_steps": 1, **a}
     for topo in ("ring", "random"):
@@ -134,6 +136,10 @@ def paper_like(name: str, *, workers: int, base: dict, a: dict, a_gasloc: dict, 
     runs += [RunSpec("c-diloco", {**c, "outer.algorithm": "diloco"}),
              RunSpec("c-gasloc", {**c, "topology": "random", "outer.algorithm": "gasloc", **c_gasloc},
                      after="c-diloco", derive=_until_diloco(3.0))]
+    if c_matchmaking_s is not None:
+        runs += [RunSpec("c-diloco-mm", {**c, "outer.algorithm": "diloco", "search.matchmaking_time_s": c_matchmaking_s}),
+                 RunSpec("c-gasloc-mm", {**c, "topology": "random", "outer.algorithm": "gasloc", **c_gasloc},
+                         after="c-diloco-mm", derive=_until_diloco(3.0))]
     h = b.get("inner.inner_steps", 20)
     claims = [
         Claim("a-ring", "H=1, ring: GASLoC's final val loss below gossip-AdamW's and NoLoCo's at equal tokens",
@@ -144,6 +150,10 @@ def paper_like(name: str, *, workers: int, base: dict, a: dict, a_gasloc: dict, 
         Claim("c", "half-slow-10x: GASLoC reaches DiLoCo's final val loss in <= 0.6x DiLoCo's simulated "
               "wall-clock", claim_speedup(0.6)),
     ]
+    if c_matchmaking_s is not None:
+        claims.append(Claim("c-mm", f"half-slow-10x, DiLoCo with hivemind's matchmaking ({c_matchmaking_s:g} s, keyed "
+                            "by epoch) as the live peer runs it: GASLoC reaches its final val loss in <= 0.6x its "
+                            "simulated wall-clock", claim_speedup(0.6, "c-gasloc-mm", "c-diloco-mm")))
     return Suite(name, base, runs, claims, notes)
 
 
@@ -495,10 +505,12 @@ SUITES: dict[str, Suite] = {
         b={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3, "inner.lr": 2e-3, "inner.total_steps": 600},
         b_gasloc={},
         c={"inner.inner_steps": 20, "rounds": 30, "eval_every": 1, "inner.lr": 2e-3, "inner.total_steps": 600},
-        c_gasloc={"bandwidth_weighted": True, "search.slower_link_ratio": 3.0},
+        c_gasloc={"bandwidth_weighted": True, "search.slower_link_ratio": 3.0}, c_matchmaking_s=5.0,
         notes=["the paper suite's runs with the inner lr decayed over each claim's length (cosine from the end of "
                "the warm-up to 0.1 of the peak at 150 steps in (a) and 600 in (b) and (c); claim (c)'s GASLoC "
-               "stays at the floor past 600)"]),
+               "stays at the floor past 600)", "claim (c-mm): claim (c) against DiLoCo as the live peer runs it "
+               "since 2026-12-05 (hivemind's matchmaking of 5 s keyed by epoch, the start barrier of all 8, no "
+               "solo step; sim/groups.py); the lock-step c-diloco stays the reference of claim (c)"]),
     # seconds-long: the same runs and claims at toy size (its verdicts say nothing about the claims)
     "smoke": paper_like(
         "smoke", workers=4,
@@ -507,7 +519,7 @@ SUITES: dict[str, Suite] = {
         a={"rounds": 4, "eval_every": 2}, a_gasloc={},
         b={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, b_gasloc={},
         c={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1},
-        c_gasloc={"bandwidth_weighted": True, "search.slower_link_ratio": 3.0},
+        c_gasloc={"bandwidth_weighted": True, "search.slower_link_ratio": 3.0}, c_matchmaking_s=1.0,
         notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),
     # the H = 1 sweep behind outer.H_DEFAULTS (docs/sim-results.md): claim (a)'s runs at half its rounds
     "tune-h1": h1_tuning_suite(

@@ -234,6 +234,16 @@ class SimTrainer:
         for key in [key for key in self.wire if isinstance(key, tuple) and key[0] == i]:
             del self.wire[key]
 
+    @torch.no_grad()
+    def adopt(self, i: int, j: int, epoch: int) -> None:
+        """DiLoCo behind (sim/groups.py): worker i takes over worker j's state at its last step - the anchor and the
+        outer state, as a live peer downloads them - and the round position with it; its own inner optimizer stays
+        and its round's inner work is dropped (peer/daemon.py `_resync`)."""
+        torch._foreach_copy_(self.params[i], self.outers[j].anchor)
+        self.outers[i].load_state_dict(self.outers[j].state_dict(), self.params[i])
+        self.rounds[i] = epoch
+        self.sent[i] = self.mixed[i] = self.wire[i] = None
+
     # ---- measurement
     @torch.no_grad()
     def evaluate(self) -> dict:

@@ -460,17 +460,16 @@ class Network(Reachability, Joining):
             seen[pid] = old if old is not None and old[:2] == (r.state, r.round) else (r.state, r.round, now)
         self._seen_state = seen
         self.claims.forget_absent(records)
-        self.claims.observe({p: r.round for p, r in records.items() if r.state != "joining"}, self._own_round())
-
-    def _own_round(self) -> int | None:
-        """Our round as a vote among the claims (None while we join: our round says nothing then)."""
         s = self.status()
-        return None if s.state == "joining" else s.round
+        # our round is a vote among the claims, except while we join (or resync): then it says nothing
+        self.claims.observe({p: r.round for p, r in records.items() if r.state != "joining"},
+                            None if s.state == "joining" else s.round, now, s.view.get("round_s"))
 
     def believed_rounds(self) -> dict[str, int]:
         """Listed peers past joining -> their announced round as far as we believe it (protocol/claims.py)."""
-        own = self._own_round()
-        return self.claims.believed({p: r.round for p, r in self.live.items() if r.state != "joining"}, own or 0)
+        s = self.status()
+        return self.claims.believed({p: r.round for p, r in self.live.items() if r.state != "joining"}, s.round,
+                                    time.monotonic(), s.view.get("round_s"))
 
     def tenure(self) -> dict[str, float]:
         """Listed peers -> how long (s) we have seen them live: our own observation, not a claim."""

@@ -91,34 +91,9 @@ def test_exchange_fp32_bit_exact_both_ways_then_offer_is_used(min_stream_bytes):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("wire_a,wire_b", [("float16", "bfloat16"), ("bfloat16", "float32")])
-def test_exchange_16bit_wire_within_tolerance(wire_a, wire_b):
-    async def main():
-        async with p2p_nodes(2) as (a, b):
-            ea = exchanger(a, codec=wire_a, min_stream_bytes=1 << 16)      # several lanes, uneven shares
-            eb = exchanger(b, codec=wire_b)
-            await ea.start(), await eb.start()
-            ta, tb = tensors(1), tensors(2)
-            ea.offer(ta, 0), eb.offer(tb, 0)
-            res = await ea.exchange(b.peer_id)
-            inc = await eb.wait_incoming(5)
-            assert res.ok and inc.ok
-            tol = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 0.0}
-            for got, sent, wire in ((res.tensors, tb, wire_b), (inc.tensors, ta, wire_a)):
-                for x, y in zip(got, sent):
-                    assert x.dtype == torch.float32 and x.shape == y.shape
-                    # relative error of one rounding to the wire format (float16: 2^-11, bfloat16: 2^-8)
-                    assert torch.allclose(x, y, rtol=tol[wire], atol=1e-4 if wire == "float16" else 0.0)
-                    if wire != "float32":
-                        assert not torch.equal(x, y) or x.numel() <= 1
-            want = payload_bytes(SPECS, wire_a)
-            assert want < res.bytes_sent < want + 4096 * 8
-    arun(main())
-
-
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("codec_a,codec_b", [("int4", "int4"), ("int8", "int4-rn"), ("int4", "float32"),
-                                             ("int8-p10", "int8-p10")])
+                                             ("int8-p10", "int8-p10"), ("float16", "bfloat16"),
+                                             ("bfloat16", "float32")])
 def test_exchange_codecs_decode_and_mix_keeps_the_pair_mean(codec_a, codec_b):
     """Each side decodes the other's payload in the other's codec and gets its own as the partner decoded it; the
     symmetric mix (protocol/averaging.py mix_pair_) keeps the pair's mean to float rounding; the bytes on the wire
@@ -135,11 +110,16 @@ def test_exchange_codecs_decode_and_mix_keeps_the_pair_mean(codec_a, codec_b):
             assert res.ok and inc.ok, (res.detail, inc and inc.detail)
             for got, sent, codec in ((res.tensors, tb, codec_b), (inc.tensors, ta, codec_a)):
                 c = parse_codec(codec)
+                # one rounding: a blockwise step of the tensor's largest value, or a cast's relative precision
+                rel = {"float32": 0.0, "float16": 2 ** -11, "bfloat16": 2 ** -8}.get(codec, 0.0)
                 for x, y in zip(got, sent):
                     step = y.abs().max() / ((1 << (c.bits - 1)) - 1) if c.block else 0.0
                     if c.sparse:   # blocks not sent decode to our own wire form, not the partner's
                         continue
-                    assert x.shape == y.shape and (x - y).abs().max() <= step * 1.01 + 1e-6
+                    assert x.dtype == torch.float32 and x.shape == y.shape
+                    assert ((x - y).abs() <= step * 1.01 + rel * y.abs() + 1e-7).all()
+                    if not c.lossless:
+                        assert not torch.equal(x, y) or x.numel() <= 1
             own_a, own_b = res.own_wire, inc.own_wire
             assert (own_a is None) == parse_codec(codec_a).lossless and (own_b is None) == parse_codec(codec_b).lossless
             mean_before = [(x + y) / 2 for x, y in zip(ta, tb)]

@@ -33,6 +33,18 @@ def test_a_claim_grows_at_most_speedup_rounds_per_round_of_ours():
     assert c.plausible("a", -5, 15) == 0
 
 
+def test_time_without_our_rounds_counts_in_units_of_our_round_time():
+    """A peer stopped for 20 s (SIGSTOP, suspend) made no rounds while the swarm went on: the swarm's claims may
+    have grown by speedup x 20 s / our round time meanwhile (the e2e frozen peer resynced to round 5 from 9 when
+    only our rounds counted)."""
+    c = RoundClaims(slack=2, speedup=4.0)
+    c.observe({"a": 9}, own_round=9, now=100.0, round_s=3.0)
+    assert c.plausible("a", 15, 9, now=100.0, round_s=3.0) == 11
+    assert c.plausible("a", 15, 9, now=120.0, round_s=3.0) == 15            # 20 s = 6.7 of our rounds: up to 37
+    assert c.plausible("a", 10**9, 9, now=120.0, round_s=3.0) == 9 + 2 + 26
+    assert c.plausible("a", 10**9, 9, now=120.0) == 11                      # no round time known: rounds only
+
+
 def test_sybils_in_a_joiners_first_listing_are_outvoted_by_the_median():
     """Three Sybils claiming 10^9 beside four honest peers at round ~20: the median is an honest claim."""
     c = RoundClaims(slack=3, speedup=4.0)

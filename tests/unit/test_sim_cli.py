@@ -91,8 +91,10 @@ def test_compare_smoke_suite(tmp_path):
     report = json.loads(out.read_text())
     assert list(report["runs"]) == ["a-ring-gasloc", "a-ring-gossip", "a-ring-noloco", "a-random-gasloc",
                                     "a-random-gossip", "a-random-noloco", "b-gasloc", "b-diloco", "c-diloco",
-                                    "c-gasloc"]
-    assert [c["claim"] for c in report["claims"]] == ["a-ring", "a-random", "b", "c"]
+                                    "c-gasloc", "c-diloco-mm", "c-gasloc-mm"]
+    assert [c["claim"] for c in report["claims"]] == ["a-ring", "a-random", "b", "c", "c-mm"]
+    # claim c-mm's DiLoCo runs hivemind's matchmaking keyed by epoch (sim/groups.py): its groups are reported
+    assert report["runs"]["c-diloco-mm"]["search"]["allreduce_groups"]
     # claim c's GASLoC run stops at DiLoCo's final loss or DiLoCo's wall-clock, whichever comes first
     c_g, c_d = report["runs"]["c-gasloc"], report["runs"]["c-diloco"]
     assert c_g["config"]["target_val_loss"] == c_d["final_val_loss"]
@@ -100,7 +102,7 @@ def test_compare_smoke_suite(tmp_path):
     assert c_g["stopped_by"] in ("target_val_loss", "max_sim_time", "rounds")
     table = md.read_text()
     assert table == res.output
-    assert table.count("| **PASS** |") + table.count("| **FAIL** |") == 4
+    assert table.count("| **PASS** |") + table.count("| **FAIL** |") == 5
     for name in report["runs"]:
         assert f"| {name} |" in table
     assert png.read_bytes()[:8] == PNG

@@ -1,5 +1,5 @@
-"""DiLoCo as the live peer runs it (sim/groups.py): hivemind's matchmaking on the virtual clock, with a fake trainer
-(no torch); the link efficiency of the clock; and bench/hetero_calibrate.py on hand-made metrics."""
+"""DiLoCo as the live peer runs it (sim/groups.py): hivemind's matchmaking keyed by epoch on the virtual clock, with a
+fake trainer (no torch); the link efficiency of the clock; and bench/hetero_calibrate.py on hand-made metrics."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,6 +23,7 @@ class FakeTrainer:
         self.groups: list[tuple[float, tuple[int, ...]]] = []
         self.solo: list[tuple[float, int]] = []
         self.applied: list[tuple[float, int]] = []
+        self.adopted: list[tuple[float, int, int, int]] = []
 
     def plan(self, i, steps):
         pass
@@ -43,6 +44,9 @@ class FakeTrainer:
 
     def apply(self, i):
         self.applied.append((self.engine.now, i))
+
+    def adopt(self, i, j, epoch):
+        self.adopted.append((self.engine.now, i, j, epoch))
 
 
 def drive(links, until_s, *, steps=10, nbytes=NBYTES, **kw):
@@ -66,20 +70,33 @@ def test_with_full_listings_and_equal_clocks_every_group_is_the_whole_swarm_as_i
 
 
 @pytest.mark.timeout(30)
-def test_a_worker_that_lists_nobody_rounds_solo_at_once_until_its_listing_fills():
-    # listings empty for the first 3.5 s: 1-s rounds, solo without any wait (no other live DiLoCo peer), then groups
-    e, tr = drive([Link(0.1, 30e6, 0.0)] * 3, 20.0, discovery_s=3.5, discovery_share=0.0)
-    assert sorted({t for t, _ in tr.solo}) == pytest.approx([1.0, 2.0, 3.0])
-    assert e.stats["solo_alone"] == 9
-    assert tr.groups[0] == (pytest.approx(4.0), (0, 1, 2))
+def test_no_solo_round_ever_and_the_start_barrier_waits_for_everyone():
+    # listings empty for the first 3.5 s: nobody rounds alone; the first group is the whole swarm (start barrier);
+    # the next one, closed at a target of 2 (each lists nobody yet), leaves the third behind: it downloads the
+    # pair's state once its listing shows them past its epoch (again while the pair steps on without it), until
+    # the three meet in one group again
+    e, tr = drive([Link(0.1, 30e6, 0.0)] * 3, 30.0, discovery_s=3.5, discovery_share=0.0)
+    assert not tr.solo
+    assert tr.groups[0] == (pytest.approx(1.0), (0, 1, 2)) and len(tr.groups[1][1]) == 2
+    assert tr.adopted and all(i == 2 for _, i, _, _ in tr.adopted) and e.stats["downloads"] == len(tr.adopted)
+    assert [len(g) for _, g in tr.groups[-5:]] == [3] * 5
+    # a barrier of 3 out of 4 workers, the fourth computing 20x longer: the first group is the three
+    links = [Link(0.1, 30e6, 0.0)] * 3 + [Link(2.0, 30e6, 0.0)]
+    _, tr = drive(links, 8.0, initial_group=3)
+    assert tr.groups[0] == (pytest.approx(1.0 + 5.0), (0, 1, 2))
 
 
 @pytest.mark.timeout(30)
 def test_a_group_closes_with_whoever_came_when_the_matchmaking_time_is_up():
     # worker 2 computes 20 s: the other two form their group 5 s after the first was ready, without it
     links = [Link(0.1, 30e6, 0.0), Link(0.2, 30e6, 0.0), Link(2.0, 30e6, 0.0)]
-    _, tr = drive(links, 12.0)
+    e, tr = drive(links, 30.0, initial_group=2)
     assert tr.groups[0] == (pytest.approx(1.0 + 5.0), (0, 1))
+    # worker 2, ready at 20 s at epoch 0, is behind the others: it downloads the most advanced state instead of
+    # stepping (a group of its own epoch would never form), then computes again from there
+    assert tr.adopted and tr.adopted[0][:2] == (pytest.approx(20.0), 2) and tr.adopted[0][2] in (0, 1)
+    assert tr.adopted[0][3] >= 2 and e.stats["downloads"] >= 1
+    assert all(2 not in g or len(g) >= 2 for _, g in tr.groups)
 
 
 @pytest.mark.timeout(30)
@@ -93,17 +110,17 @@ def test_a_lone_opener_keeps_looking_instead_of_a_solo_round():
 
 
 @pytest.mark.timeout(30)
-def test_partial_listings_split_the_start_into_groups_and_jitter_lets_them_merge():
+def test_partial_listings_at_the_start_no_longer_split_the_swarm():
+    # the bench's start (listings filling for 2.5 s): with epochs and the start barrier every group is all six
+    # (the DiLoCo before 2026-12-05 split into partial groups here and forked for good)
     links = build_links("hetero-bench", 6, Link(0.042, 1.0, 0.0005))
     early = start_listings(6, 0.33, seed=0)
     assert early == start_listings(6, 0.33, seed=0) and early != start_listings(6, 0.33, seed=1)
     bench = dict(steps=20, nbytes=3_500_000, discovery_s=2.5, discovery_share=0.33, seed=2)  # the tiny preset's bytes
-    _, still = drive(links, 150.0, **bench)
-    _, merged = drive(links, 150.0, **bench, jitter=0.1)
-    assert len(still.groups[0][1]) < 6 and len(merged.groups[0][1]) < 6  # the start is partial either way
-    # equal durations keep the two groups' offset for good; the measured jitter lets it close within 5 s
-    assert all(len(g) < 6 for _, g in still.groups)
-    assert len(merged.groups[-1][1]) == 6
+    for jitter in (0.0, 0.1):
+        e, tr = drive(links, 150.0, **bench, jitter=jitter)
+        assert len(tr.groups) >= 3 and all(len(g) == 6 for _, g in tr.groups), tr.groups
+        assert not tr.solo and e.stats["downloads"] == 0
 
 
 def test_link_efficiency_slows_every_transfer_and_the_all_reduce_may_have_its_own():
@@ -124,7 +141,7 @@ def test_a_live_diloco_run_reports_its_groups_and_keeps_equal_clocks_in_one_grou
     from gasloc.sim.runner import run
     grouped = run(SimConfig.model_validate({**base, "search": {"matchmaking_time_s": 5.0}}))
     lockstep = run(SimConfig.model_validate(base))
-    assert grouped["search"] == {"allreduce_groups": {"3": 2}, "solo_alone": 0}
+    assert grouped["search"] == {"allreduce_groups": {"3": 2}, "downloads": 0}
     assert grouped["final_val_loss"] == lockstep["final_val_loss"]  # the same maths and the same timing
     assert grouped["final_sim_time_s"] == pytest.approx(lockstep["final_sim_time_s"])
 

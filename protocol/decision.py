@@ -54,6 +54,7 @@ Loss = Callable[[Sequence[torch.Tensor]], float]
 Action = Literal["mix", "clip", "reject"]
 
 _ABS_ECHO = 1e-6  # a relative distance below this is our own payload back, whatever the history says
+_MAX_PROGRESS = 0.5  # the batch check's allowance for our own progress per round is at most this (relative loss)
 
 
 @dataclass(frozen=True)
@@ -163,14 +164,16 @@ class VoteBook:
     def median(self) -> float | None:
         return statistics.median(d for d, _ in self.votes.values()) if self.ready() else None
 
-    def tau(self) -> float:
-        """k x the median vote; before min_history peers voted, k x the largest vote so far but at most
-        first_rounds_tau (a first partner's low vote cannot shrink tau under the others' distances, a high one
-        cannot raise it past the fixed guess; honest distances grew 3-4x from round 1 to 2 in the simulator)."""
+    def tau(self, own_round: int | None = None) -> float:
+        """k x the median vote. Before min_history peers voted: first_rounds_tau in our first 2 x min_history rounds
+        (honest distances grow 3-4x a round early on: a tau from older votes clipped honest partners in rounds 2-4
+        of the simulator's clean runs), then k x the largest vote so far, at most first_rounds_tau (a peer that
+        met few partners is not left with the loose first-rounds guess; a low vote cannot shrink it below the
+        others' distances, a high one cannot raise it past the guess)."""
         c, m = self.cfg, self.median()
         if m is not None:
             return max(c.min_tau, c.clip_factor * m)
-        if not self.votes:
+        if not self.votes or own_round is None or own_round < 2 * c.min_history:
             return c.first_rounds_tau
         return min(c.first_rounds_tau, max(c.min_tau, c.clip_factor * max(d for d, _ in self.votes.values())))
 
@@ -208,6 +211,8 @@ class MixJudge:
         self.streak = FarStreak(cfg.catch_up_after_rejections)
         self._own: tuple[int, torch.Tensor, float] | None = None  # our last offer: (round, its sketch, ||y||)
         self._moved: torch.Tensor | None = None  # our own movement per round before it (per-tensor sketch)
+        self._losses: list[tuple[int, float]] = []  # our own loss on a private batch at our last measured round
+        self._drops: list[float] = []               # our recent relative loss drops per round
 
     # ------------------------------------------------------------------ the decision
     @torch.no_grad()
@@ -227,11 +232,13 @@ class MixJudge:
         norm = math.sqrt(sum(own_sq))
         if not all(math.isfinite(x) for x in diff_sq):
             return self._finish(self._reject(Code.NOT_FINITE, "partner's tensors are not finite", math.inf,
-                                             self.votes.tau(), far=False), partner, own_round, partner_round,
+                                             self.votes.tau(own_round), far=False), partner, own_round, partner_round,
                                 listed_rounds, own_id, behind_rounds, None)
         d = math.sqrt(sum(diff_sq)) / norm if norm > 0 else 0.0
         dk = [math.sqrt(x) / math.sqrt(s) if s > 0 else 0.0 for x, s in zip(diff_sq, own_sq)]
         own_sketch = self._note_own(own, own_round)
+        # S(theirs - own) per tensor, from the two sketches (linear): no model-sized difference is ever built
+        diff_sketch = self.sketch.per_tensor(theirs) - own_sketch
         moved = self._moved  # our own movement per round up to this offer (raw per-tensor sketch)
 
         # A partner a few rounds apart (a slow link, an overlapped pair) is displaced along our own path: judge its
@@ -240,11 +247,11 @@ class MixJudge:
         # point directly. tau (and each tau_k) widens by d / d_there, at most 1 + gap x our step / tau: a partner
         # claiming a gap gains at most gap rounds of our own movement.
         gap = min(abs(own_round - partner_round), c.round_gap_cap) if partner_round is not None else 0
-        base_tau, base_taus = self.votes.tau(), self.votes.taus(n)
+        base_tau, base_taus = self.votes.tau(own_round), self.votes.taus(n)
         widen, widen_k = 1.0, [1.0] * n
         if gap and moved is not None and norm > 0 and len(moved) == n:
             sign = 1.0 if partner_round > own_round else -1.0
-            there = self.sketch.per_tensor(theirs) - own_sketch - sign * gap * moved  # S(theirs - p), per tensor
+            there = diff_sketch - sign * gap * moved  # S(theirs - p), per tensor
             rel = [math.sqrt(x) for x in own_sq]
             widen = _widen(d, float(there.sum(0).norm()) / norm, gap * float(moved.sum(0).norm()) / norm, base_tau)
             if base_taus is not None:
@@ -269,8 +276,8 @@ class MixJudge:
         if ratio > c.reject_factor:
             if base_taus is not None:  # a far partner votes tau: after an eclipse shrank it, tau can recover
                 self.votes.vote(partner, base_tau, base_taus)
-            v = self._reject(Code.DISTRUSTED, f"distance {d:.3g} > {c.reject_factor:g} x tau {tau:.3g} ({worst}: "
-                             f"{ratio:.3g} x its bound)", d, tau, far=True, ratio=ratio)
+            v = self._reject(Code.DISTRUSTED, f"far: {worst} at {ratio:.3g} x its bound > {c.reject_factor:g} "
+                             f"(distance {d:.3g}, tau {tau:.3g})", d, tau, far=True, ratio=ratio)
             return self._finish(v, partner, own_round, partner_round, listed_rounds, own_id, behind_rounds, None)
         # every tensor clipped to its own tau_k, and the whole to tau
         whole = min(1.0, tau / d) if d > 0 else 1.0
@@ -284,7 +291,10 @@ class MixJudge:
         if loss is not None:
             point = [a + s * (b.to(a.device) - a) if s < 1 else b for a, b, s in zip(own, theirs, scales)]
             own_loss, partner_loss = float(loss(own)), float(loss(point))
-            bound = own_loss * (1 + c.val_margin * (1 + gap))
+            # a partner may trail us by up to (gap + 1) rounds of our own recent progress (early on one round moves
+            # the loss by more than val_margin), and by val_margin a round of gap besides
+            margin = c.val_margin * (1 + gap) + (gap + 1) * self._progress(own_round, own_loss)
+            bound = own_loss * (1 + margin)
             if not math.isfinite(partner_loss) or partner_loss > bound:
                 self.votes.vote(partner, min(d, base_tau), self._capped(dk, base_taus))
                 code = Code.DISTRUSTED if math.isfinite(partner_loss) else Code.NOT_FINITE
@@ -296,7 +306,7 @@ class MixJudge:
 
         # the budget across rounds: this partner's accepted corrections, summed in the sketch
         drift = self._drift(partner, own_round)
-        step = self.sketch([(b.to(a.device) - a) * s for a, b, s in zip(own, theirs, scales)]) / max(norm, 1e-30)
+        step = (torch.tensor(scales, dtype=torch.float64)[:, None] * diff_sketch).sum(0) / max(norm, 1e-30)
         budget = c.drift_budget * base_tau
         keep = _keep_within(drift.sketch, step, budget)
         if keep <= c.drift_min_keep:
@@ -323,7 +333,7 @@ class MixJudge:
     # ------------------------------------------------------------------ pieces
     def tau(self) -> float:
         """The tau partners are judged by now (before any round gap widens it)."""
-        return self.votes.tau()
+        return self.votes.tau(self._own[0] if self._own is not None else None)
 
     def step(self) -> float:
         """Our own movement per round, relative to ||y|| (the last measured; 0 before two offers)."""
@@ -334,7 +344,7 @@ class MixJudge:
     def clear(self) -> None:
         self.votes.clear()
         self.streak.clear()
-        self._own, self._moved = None, None
+        self._own, self._moved, self._losses, self._drops = None, None, [], []
 
     def _note_own(self, own: Sequence[torch.Tensor], own_round: int) -> torch.Tensor:
         """Sketch our own offer, per tensor (raw); from the last one, our movement per round. Returns the sketch."""
@@ -345,6 +355,18 @@ class MixJudge:
         if self._own is None or own_round != self._own[0]:
             self._own = (own_round, raw, norm)
         return raw
+
+    def _progress(self, own_round: int, own_loss: float) -> float:
+        """Our own recent loss drop per round, relative (the median of the last 3 measured between rounds, each on
+        its own private batch), at most max_progress; 0 until two rounds were measured."""
+        if math.isfinite(own_loss) and own_loss > 0:
+            last = self._losses[-1] if self._losses else None
+            if last is None or own_round > last[0]:
+                if last is not None and own_round - last[0] <= 4:
+                    drop = (last[1] - own_loss) / own_loss / (own_round - last[0])
+                    self._drops = (self._drops + [max(0.0, drop)])[-3:]
+                self._losses = [(own_round, own_loss)]
+        return min(statistics.median(self._drops), _MAX_PROGRESS) if self._drops else 0.0
 
     def _drift(self, partner: str, own_round: int) -> Drift:
         got = self.drift.get(partner)

@@ -286,3 +286,23 @@ def test_the_sketch_is_linear_and_keeps_norms():
 def test_keep_within_the_budget(acc, step, budget, keep):
     got = _keep_within(torch.tensor(acc, dtype=torch.float64), torch.tensor(step, dtype=torch.float64), budget)
     assert got == pytest.approx(keep)
+
+
+def test_the_batch_check_allows_for_our_own_progress_per_round():
+    """Early on one round moves our loss by more than val_margin: a partner that trails us by about a round is not
+    rejected then; once our loss stops moving, the same gap is."""
+    own, gen = model(), torch.Generator().manual_seed(16)
+    j = MixJudge(CFG, seed=5)
+    r = warm(j, own, gen)
+
+    def decide_at(round_: int, own_loss: float, ratio: float):
+        offer = honest(own, gen)
+        return j.decide(own, offer, partner="abc"[round_ % 3], own_round=round_,
+                        loss=lambda p: own_loss if p is own else own_loss * ratio)
+
+    steep = [decide_at(r + k, 3.0 * 0.75 ** k, 1.0) for k in range(4)]  # our loss falls 25% a round
+    assert not any(v.rejected for v in steep)
+    assert not decide_at(r + 4, 3.0 * 0.75 ** 4, 1.25).rejected        # a round behind us: 1/0.75 = 1.33 x ours
+    flat = [decide_at(r + 5 + k, 1.0, 1.0) for k in range(4)]             # then it stops moving
+    assert not any(v.rejected for v in flat)
+    assert decide_at(r + 9, 1.0, 1.25).rejected

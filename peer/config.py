@@ -168,15 +168,31 @@ class SwarmConfig(_Section):
 
 
 class DilocoConfig(_Section):
-    """outer.algorithm = "diloco": the exact all-reduce baseline through hivemind's DecentralizedAverager."""
+    """outer.algorithm = "diloco": the exact all-reduce baseline through hivemind's DecentralizedAverager, as its users
+    run it: groups keyed by epoch, no outer step without the group's mean, a start barrier, a fork check
+    (peer/swarm/diloco.py)."""
     max_group_size: int | None = Field(None, ge=2, description="cap on the averaging group; unset: every live "
                                        "DiLoCo peer of the run")
+    initial_group_size: int = Field(2, ge=2, description="start barrier: the first all-reduce of a fresh run "
+                                    "(epoch 0) waits until a group of this many peers forms; set it to the swarm "
+                                    "you start, so the first step is everyone's")
     matchmaking_time_s: float = Field(5.0, gt=0, description="how long a group waits for late members")
-    averaging_timeout_s: float = Field(60.0, gt=0, description="the whole averaging step (matchmaking + "
-                                       "all-reduce) must end within this; otherwise a solo round")
+    averaging_timeout_s: float = Field(60.0, gt=0, description="one averaging attempt (matchmaking + all-reduce) "
+                                       "must end within this; otherwise it failed and the peer tries again for "
+                                       "the same epoch (never a solo step)")
     request_timeout_s: float = Field(3.0, gt=0, description="matchmaking request timeout (below "
                                      "matchmaking_time_s)")
     next_chunk_timeout_s: float = Field(10.0, gt=0, description="a groupmate silent this long is dropped")
+    anchor_tolerance: float | None = Field(None, gt=0, lt=1, description="fork check: a member whose anchor "
+                                           "sample differs (relative L2) by more than this from the group's model "
+                                           "(the anchor most members agree with) downloads the state instead of "
+                                           "stepping; must exceed what the wire's rounding leaves between members; "
+                                           "unset: 1e-4 with compression none, 1e-2 float16, 5e-2 uint8")
+    compression: Literal["auto", "none", "float16", "uint8"] = Field(
+        "auto", description="hivemind.compression of the all-reduce: none (fp32), float16, uint8 (uniform 8-bit); "
+        "auto: the closest to exchange.codec (float32 -> none, float16 or bfloat16 -> float16, int8 and narrower "
+        "-> uint8: hivemind has no narrower codec without bitsandbytes). A lossy one leaves members' models apart "
+        "by its rounding after each step (peer/swarm/diloco.py)")
 
     @model_validator(mode="after")
     def _timeouts(self) -> DilocoConfig:
@@ -184,6 +200,9 @@ class DilocoConfig(_Section):
             raise ValueError("request_timeout_s must be below matchmaking_time_s (hivemind deadlocks otherwise)")
         if self.averaging_timeout_s <= self.matchmaking_time_s:
             raise ValueError("averaging_timeout_s must exceed matchmaking_time_s")
+        if self.max_group_size is not None and self.initial_group_size > self.max_group_size:
+            raise ValueError(f"initial_group_size {self.initial_group_size} exceeds max_group_size "
+                             f"{self.max_group_size}: the first group could never form")
         return self
 
 

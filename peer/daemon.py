@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from gasloc.peer.checkpoint import CheckpointWriter
 from gasloc.peer.config import PeerConfig
 from gasloc.peer.fault import NoFault, guard_seen, make_fault
 from gasloc.peer.fingerprint import run_fingerprint
@@ -144,6 +145,7 @@ class Peer:
         # neither the last round's nor the next one's, and shutdown then writes no checkpoint
         self._at_boundary = True
         self._recoveries = 0
+        self._checkpoints = CheckpointWriter()  # checkpoints are written off the training thread
         self.fault: NoFault = NoFault()
         self._resumed = False  # started from our own checkpoint: maybe far behind a swarm that went on
         self._far = FarStreak(cfg.guard.catch_up_after_rejections)  # our recent far rejections in a row
@@ -271,7 +273,8 @@ class Peer:
         if self.cfg.outer.algorithm == "diloco":
             from gasloc.peer.swarm.diloco import DilocoAveraging
             return DilocoAveraging(self.cfg, self.net, self.params, stopping=self.stopping,
-                                   set_state=self._set_state)
+                                   set_state=self._set_state, anchor=lambda: self.outer.anchor,
+                                   serve=lambda: self.net.round_boundary(self._anchor_snapshot))
         from gasloc.peer.swarm.gossip import GossipAveraging
         return GossipAveraging(self.cfg, self.net, stopping=self.stopping, set_state=self._set_state,
                                own_link=lambda: self.bandwidth_bps)
@@ -305,6 +308,7 @@ class Peer:
         own_loss = self._evaluate_at(self.params, checks)
         tried: set[str] = set()
         states: list[tuple[str, int, list[torch.Tensor], float]] = []   # (donor, round, params, loss) that passed
+        outer_of: dict[str, list[torch.Tensor]] = {}  # DiLoCo: each donor's outer state (its momentum)
         for _ in range(swarm.join_donor_pool + (1 if swarm.join_cross_check else 0)):
             got = self.net.download_state(self.params, self.outer, exclude=tried)
             if got is None:
@@ -319,6 +323,7 @@ class Peer:
                             "our own model's %.4f; trying another donor", _short(donor), loss, own_loss)
                 continue
             states.append((donor, int(metadata["round"]), params, loss))
+            outer_of[donor] = metadata.get("outer_tensors") or []
             if len(states) == (2 if swarm.join_cross_check else 1):
                 break
         if not states:
@@ -335,15 +340,31 @@ class Peer:
         with torch.no_grad():
             for p, t in zip(self.params, params):
                 p.copy_(t)
-        self.outer.reset(self.params)
+        self._adopt_outer(outer_of.get(donor, []))
         believed = self.net.believed_rounds().get(donor)
-        self.round = adopted_round([r for _, r, _, _ in states], believed)
+        # DiLoCo: the round is the epoch of the adopted anchor itself (the other donor's would key our next group to
+        # an epoch our model is not at)
+        taken = [r for d, r, _, _ in states if self.outer.solo_steps or d == donor]
+        self.round = adopted_round(taken, believed)
         # the one line that names the adopted donor in full (the transport's id): bench/adversary.py counts these
         log.info("join: adopted the state of %s round=%d (donors checked: %s)", donor, self.round,
                  ",".join(d for d, _, _, _ in states))
         self.guard.clear()  # a new model: distances measured from the old one say nothing (fresh-joiner rule)
         self._far.clear()
         return donor
+
+    def _adopt_outer(self, outer: list[torch.Tensor]) -> None:
+        """Our outer state after a download: reset to the adopted parameters, except for DiLoCo, which takes the
+        donor's momentum when it came: DiLoCo is one model, and with a momentum of its own a peer's next steps would
+        part from its group's for good (its groupmates are trusted with the mean anyway: peer/swarm/diloco.py)."""
+        names = list(self.outer.state_dict())
+        if not self.outer.solo_steps and outer and len(outer) == len(names):
+            try:
+                self.outer.load_state_dict({n: t.to(self.device) for n, t in zip(names, outer)}, self.params)
+                return
+            except ValueError as e:  # wrong shapes: a donor of another build
+                log.warning("join: the donor's outer state does not fit (%s); starting it afresh", e)
+        self.outer.reset(self.params)
 
     def _maybe_resync(self) -> bool:
         """After a stop that outlived our DHT record (peer/swarm/absence.py), rejoin like a joiner: download the swarm's
@@ -421,21 +442,30 @@ class Peer:
         ck = self._checkpoint_cfg()
         if ck is None:
             return None
+        self._checkpoints.flush()  # a write in flight is the newest checkpoint
         return load_latest(ck, model=self.model, inner_opt=self.opt, outer=self.outer, fingerprint=self.fingerprint)
 
-    def _save_checkpoint(self) -> None:
-        from gasloc.peer.checkpoint import CheckpointError, save_checkpoint
-        try:
-            path = save_checkpoint(self._checkpoint_cfg(), model=self.model, inner_opt=self.opt, outer=self.outer,
-                                   data_state=self.data.state_dict(), round=self.round, fingerprint=self.fingerprint,
-                                   meta={"inner_steps": self.inner_steps_total, "tokenizer": self.tokenizer_name,
-                                         "peer_id": self.peer_id, "model": self.cfg.model.model_dump(mode="json")})
-        except CheckpointError as e:  # non-finite state: the older checkpoints stay the newest valid ones
-            log.error("checkpoint round=%d refused: %s", self.round, e)
-            return
-        log.info("checkpoint round=%d path=%s", self.round, path)
-        self.sink.emit("checkpoint", round=self.round, path=str(path))
-        self._saved_round = self.round
+    def _save_checkpoint(self, wait: bool = False) -> None:
+        """Copy the state now (a round boundary: consistent) and write it on the checkpoint thread, so training
+        goes on while it is serialized, hashed and fsynced; `wait`: until it is on disk (shutdown)."""
+        from gasloc.peer.checkpoint import stage
+        staged = stage(model=self.model, inner_opt=self.opt, outer=self.outer, data_state=self.data.state_dict(),
+                       round=self.round, fingerprint=self.fingerprint,
+                       meta={"inner_steps": self.inner_steps_total, "tokenizer": self.tokenizer_name,
+                             "peer_id": self.peer_id, "model": self.cfg.model.model_dump(mode="json")})
+        round_no = staged.round
+
+        def done(path, err) -> None:  # on the checkpoint thread
+            if err is not None:  # non-finite state or a failed write: the older checkpoints stay the newest valid
+                log.error("checkpoint round=%d refused: %s", round_no, err)
+                return
+            log.info("checkpoint round=%d path=%s", round_no, path)
+            self.sink.emit("checkpoint", round=round_no, path=str(path))
+            self._saved_round = max(self._saved_round, round_no)
+
+        self._checkpoints.submit(self._checkpoint_cfg(), staged, done)
+        if wait:
+            self._checkpoints.flush()
 
     def _main_loop(self) -> None:
         self._catch_up_at_resume()
@@ -519,7 +549,12 @@ class Peer:
         eval_due = self._eval_due()
         sent = self.outer.outgoing(self.params)
         ex, consensus, outer_s = self._exchange_and_apply(sent)
-        self._finish_round()
+        if self.outer.solo_steps or ex.ok:
+            self._finish_round()
+        else:  # DiLoCo without its group's mean: no step, the round does not count (peer/swarm/diloco.py)
+            self._at_boundary = True
+            if ex.outcome == "behind":  # the swarm stepped without us, or holds another model: take its state
+                self._catch_up = "behind"
         val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device)) if eval_due else None
         self._report(t_start, phase, ex, consensus, outer_s, val_loss)
         self._catch_up_if_due()
@@ -614,7 +649,7 @@ class Peer:
         """The round's metrics line and log line, and a checkpoint when one is due."""
         round_s = time.monotonic() - t_start
         self._round_s.append(round_s)
-        outcome = ex.outcome if ex.ok or ex.attempts else "solo"
+        outcome = ex.outcome if ex.ok or ex.attempts or not self.outer.solo_steps else "solo"
         self._last_loss = float(phase.loss)
         if val_loss is not None:
             self._last_val_loss = float(val_loss)
@@ -629,7 +664,7 @@ class Peer:
             outer_s=outer_s, round_s=round_s, tokens_per_s=self.throughput_tps,
             peak_mem_mb=self._peak.mb(), attempts=ex.attempts, passed_over=ex.passed_over,
             live_peers=self.live_count(), detail=ex.detail or None, code=ex.code, **_guard_fields(ex.guard),
-            rejected_partner=ex.rejected_partner,
+            rejected_partner=ex.rejected_partner, anchor_spread=ex.anchor_spread,
             path=ex.path if ex.ok else None, **self.net.nat_metrics(), **self.net.membership_metrics())
         log.info("round=%d loss=%.4f%s partner=%s outcome=%s MB=%.2f s=%.2f exchange_s=%.2f", self.round, phase.loss,
                  f" val_loss={val_loss:.4f}" if val_loss is not None else "", _short(ex.partner), outcome,
@@ -660,9 +695,12 @@ class Peer:
                                                                          first.detail, first.code)
             mixed, consensus = self._mixed(sent, ex) if ex.ok else (None, consensus)
             t_outer = time.monotonic()
-        # a solo round (also when the guard rejected the partner): mix is the identity, the outer momentum applies
-        with mix_applied_once(self.outer, not _momentum(ex)):  # a stranger's correction: applied once
-            self.outer.apply(self.params, sent if mixed is None else mixed)
+        if mixed is not None or self.outer.solo_steps:
+            # a solo round (also when the guard rejected the partner): mix is the identity, the outer momentum applies
+            with mix_applied_once(self.outer, not _momentum(ex)):  # a stranger's correction: applied once
+                self.outer.apply(self.params, sent if mixed is None else mixed)
+        else:  # DiLoCo: never a solo step; the round is dropped (params back to the anchor)
+            self.outer.drop(self.params)
         self.averaging.recycle(ex)  # mixed in: the next exchange receives into these buffers
         return ex, consensus, time.monotonic() - t_outer
 
@@ -784,14 +822,24 @@ class Peer:
         """A copy of what a joiner downloads, taken at a round boundary (params == the outer anchor), on the CPU:
         metadata and the parameters. No outer state: a joiner never adopts a donor's momentum (_adopt_swarm_state),
         and leaving it out halves the snapshot."""
+        if not self.outer.solo_steps:  # DiLoCo serves its momentum too (_adopt_outer); params == anchor here
+            return self._anchor_snapshot()
         params = [p.detach().to("cpu", copy=True) for p in self.params]
         return {"round": self.round, "num_outer": 0, "peer_id": self.peer_id}, params
+
+    def _anchor_snapshot(self) -> tuple[dict, list[torch.Tensor]]:
+        """DiLoCo waiting for its group: the state of its last outer step (the anchor, not the params its inner
+        steps moved), which a peer behind it downloads meanwhile (peer/swarm/diloco.py)."""
+        params = [a.detach().to("cpu", copy=True) for a in self.outer.anchor]
+        outer_state = [v.detach().to("cpu", copy=True) for v in self.outer.state_dict().values()]
+        return {"round": self.round, "num_outer": len(outer_state), "peer_id": self.peer_id}, params + outer_state
 
     def _shutdown(self) -> None:
         # Leave the listing first, so nobody picks us as a partner while we stop; then the exchange (an exchange
         # in flight ends within its deadline), then the network and the DHT child.
         if self.net is not None:
             shutdown_step("withdraw", self.net.withdraw)
+        shutdown_step("checkpoint writes", self._checkpoints.flush)  # one in flight decides what is unsaved
         unsaved = self.round > self._saved_round
         if self._pending is not None:  # overlap: the last round's mix belongs in the checkpoint
             self.stopping.set()  # (also after --max-rounds) no new attempts: we left the listing; one in flight ends
@@ -802,10 +850,11 @@ class Peer:
         # periodic checkpoint stays the newest). (self.averaging is set once the model, optimizer and outer exist.)
         if self.averaging is not None and self.cfg.checkpoint is not None and unsaved:
             if self._at_boundary:
-                shutdown_step("checkpoint", self._save_checkpoint)
+                shutdown_step("checkpoint", lambda: self._save_checkpoint(wait=True))
             else:
                 log.warning("no checkpoint at shutdown: stopped mid-round by an error (round %d is the newest saved)",
                             self._saved_round)
+        shutdown_step("checkpoint writes", self._checkpoints.close)  # a periodic one still in flight lands
         if self.averaging is not None:
             shutdown_step("averaging.close", self.averaging.close)
         if self.net is not None:

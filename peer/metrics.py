@@ -22,7 +22,10 @@ Events (one JSON object per line, each with "event" and "time" = Unix seconds):
          the partner's tensors (protocol/guard.py; all null when none were judged): guard (accept | clip | reject),
          guard_tau (the clipping bound, relative to ||y||), clipped_by (the share of the partner's difference cut
          off, 0 unless clipped), rejected (then outcome is "rejected" and detail names the code), partner_trust
-         (the partner's trust score after this verdict)
+         (the partner's trust score after this verdict). DiLoCo: outcome ok means the outer step was taken with
+         the group's mean; any other outcome (behind, stopping) took no step and the round number did not move on
+         (the round is the model's epoch); anchor_spread is the largest relative difference between our anchor
+         and a groupmate's at the all-reduce (a parameter sample; ~0 while the swarm is one model), null otherwise
   recovered peer_id, from_round, round (the checkpoint's), reason, checkpoint, val_loss: the loss turned NaN or Inf
          and the peer went back to its newest finite checkpoint
   resync peer_id, absent_s (how long the process was stopped), joined_from (donor), from_round, round (the

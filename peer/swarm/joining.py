@@ -118,8 +118,9 @@ class Joining:
         except StateDownloadError as e:
             log.warning("join: %s; starting from the seed model", e)
             return None
-        # a donor of an older build also serves its outer state (momentum): downloaded, never adopted
+        # a donor of an older build also serves its outer state (momentum), and a DiLoCo donor does (its momentum
+        # is the one model's): handed over in metadata["outer_tensors"], adopted by DiLoCo only (peer/daemon.py)
         n_params = len(tensors) - int(metadata.get("num_outer", 0))
         donor = str(metadata["peer_id"])      # the stream's remote peer (state_transfer.py), never a claim
         log.info("join: state of round %s from %s", metadata.get("round"), donor)
-        return donor, metadata, tensors[:n_params]
+        return donor, {**metadata, "outer_tensors": tensors[n_params:]}, tensors[:n_params]

@@ -39,6 +39,8 @@ class RoundExchange:
     offer_round: int | None = None    # pair exchanges: our round and the partner's, as both offers said (exact,
     partner_round: int | None = None  # unlike the listing: the guard's catch-up rule compares them)
     rejected_partner: str | None = None  # guard.retry_after_reject: the partner rejected earlier in this round
+    anchor_spread: float | None = None  # DiLoCo: the largest relative difference between our anchor and a
+    # groupmate's at the all-reduce (a sample of the parameters; protocol/epochs.py): ~0 while the swarm is one model
 
     @property
     def ok(self) -> bool:

@@ -126,6 +126,8 @@ class OuterUpdate:
     """Base class: holds the anchor (theta at the round's start) and named state tensors for checkpoints."""
 
     state_names: tuple[str, ...] = ()
+    # whether a round without a mix still takes its outer step (apply(params, sent)); DiLoCo never does
+    solo_steps: bool = True
 
     def __init__(self, cfg: OuterConfig, params: Sequence[torch.Tensor]):
         self.cfg = cfg
@@ -281,9 +283,19 @@ class DiLoCo(OuterUpdate):
     """
 
     state_names = ("buf",)
+    # One model: a peer steps only with its group's mean (peer/swarm/diloco.py); a round without one is dropped.
+    # A solo step would move this peer's anchor where no other peer's goes, and the mean pseudo-gradients applied
+    # afterwards never bring it back: a fork for good.
+    solo_steps = False
 
     def _reset_state(self, params):
         self.buf = [torch.zeros_like(p) for p in params]
+
+    @torch.no_grad()
+    def drop(self, params):
+        """A round without the group's mean: no outer step; params go back to the anchor (the last step's model,
+        still the swarm's unless the swarm stepped without us: then the caller downloads its state)."""
+        torch._foreach_copy_(list(params), self.anchor)
 
     @torch.no_grad()
     def outgoing(self, params):

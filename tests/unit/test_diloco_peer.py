@@ -1,0 +1,91 @@
+"""The live DiLoCo peer's side of one model (peer/daemon.py, peer/swarm/diloco.py): a download takes the donor's
+momentum with its anchor (else the peer's next steps part from its group's), a donor serves the state of its last
+step, and the all-reduce's codec follows the exchange's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gasloc.peer.config import PeerConfig
+from gasloc.peer.daemon import Peer
+from gasloc.peer.swarm.diloco import compression_name
+from gasloc.peer.train.data import build_data
+from gasloc.peer.train.model import build_model
+from gasloc.peer.train.outer import make_outer
+from gasloc.protocol.guard import DistanceHistory, FarStreak
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Net:
+    def __init__(self, donor, rnd, params, outer):
+        self.state = (donor, rnd, params, outer)
+
+    def download_state(self, params, outer, exclude=()):
+        donor, rnd, state, outer_state = self.state
+        if donor in exclude:
+            return None
+        return donor, {"round": rnd, "num_outer": len(outer_state), "peer_id": donor,
+                       "outer_tensors": [t.clone() for t in outer_state]}, [t.clone() for t in state]
+
+    def believed_rounds(self):
+        return {self.state[0]: self.state[1]}
+
+
+def _peer(algorithm: str) -> Peer:
+    cfg = PeerConfig.model_validate({"model": {"preset": "tiny", "seq_len": 32}, "data": {"batch_size": 4},
+                                     "outer": {"algorithm": algorithm}, "swarm": {"join_cross_check": False}})
+    p = Peer.__new__(Peer)
+    p.cfg, p.device, p.round, p.peer_id = cfg, torch.device("cpu"), 0, "me"
+    p.data, tok = build_data(cfg.data, cfg.model.seq_len)
+    p.val_batches = p.data.val_batches()
+    p.model = build_model(cfg.model, tok.vocab_size, seed=0)
+    p.params = list(p.model.parameters())
+    p.outer = make_outer(cfg.outer, p.params)
+    p.guard, p._far = DistanceHistory(cfg.guard), FarStreak(2)
+    return p
+
+
+def _moved(p: Peer, by: float) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [t.detach() + by * t.detach().abs().mean() * torch.randn(t.shape, generator=g) for t in p.params]
+
+
+def test_a_diloco_download_takes_the_donors_momentum_and_the_others_reset_theirs():
+    d = _peer("diloco")
+    state, buf = _moved(d, 0.01), [torch.full_like(t, 0.5) for t in d.params]
+    d.net = _Net("QmA", 7, state, buf)
+    assert d._adopt_swarm_state() == "QmA" and d.round == 7
+    assert all(torch.equal(a, b) for a, b in zip(d.outer.anchor, state))
+    assert all(torch.equal(a, b) for a, b in zip(d.outer.buf, buf))
+    # gasloc: the donor's outer state is never adopted (protocol/claims.py threat model)
+    g = _peer("gasloc")
+    z = [t + 5.0 for t in _moved(g, 0.01)]
+    g.net = _Net("QmA", 7, _moved(g, 0.01), z)
+    assert g._adopt_swarm_state() == "QmA"
+    assert all(torch.equal(a, b) for a, b in zip(g.outer.z_prev, g.params))
+
+
+def test_a_waiting_diloco_peer_serves_the_state_of_its_last_step_not_its_moved_params():
+    d = _peer("diloco")
+    d.round = 4
+    d.outer.buf = [torch.full_like(t, 0.25) for t in d.params]
+    with torch.no_grad():  # inner steps moved the params since the last outer step
+        for p in d.params:
+            p.add_(1.0)
+    meta, tensors = d._anchor_snapshot()
+    n = len(d.params)
+    assert meta["round"] == 4 and meta["num_outer"] == n and len(tensors) == 2 * n  # the momentum, per parameter
+    assert all(torch.equal(a, t) for a, t in zip(d.outer.anchor, tensors[:n]))
+    assert all(torch.equal(b, t) for b, t in zip(d.outer.buf, tensors[n:]))
+    assert d.snapshot()[0]["num_outer"] == n  # at a round boundary too
+
+
+@pytest.mark.parametrize("codec,compression", [("float32", "none"), ("float16", "float16"), ("bfloat16", "float16"),
+                                               ("int8", "uint8"), ("int4", "uint8")])
+def test_the_all_reduce_codec_follows_the_exchange(codec, compression):
+    cfg = PeerConfig.model_validate({"outer": {"algorithm": "diloco"}, "exchange": {"codec": codec}})
+    assert compression_name(cfg) == compression
+    pinned = PeerConfig.model_validate({"outer": {"algorithm": "diloco"}, "exchange": {"codec": codec},
+                                        "diloco": {"compression": "none"}})
+    assert compression_name(pinned) == "none"

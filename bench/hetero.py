@@ -14,7 +14,10 @@ Runs, one after another, each with a fresh bootstrap and fresh peers for the sam
               over, and answers busy to, peers whose last exchange with it ran over 3x slower than its best;
               until it has seen such a peer, it tries peers it never exchanged with first)
   gasloc      outer.algorithm=gasloc, uniform partner choice
-  diloco      outer.algorithm=diloco: the exact mean over all live peers (hivemind DecentralizedAverager)
+  diloco      outer.algorithm=diloco: one model, stepped by the exact mean over a group of its epoch (hivemind
+              DecentralizedAverager, groups keyed by epoch, no solo step, a start barrier of all N peers, the fork
+              check: peer/swarm/diloco.py). Before 2026-12-05 this run was a DiLoCo that forked into lineages
+              (solo rounds, partial groups; docs/hetero-results.md keeps those figures as history)
   gossip      (optional) outer.algorithm=gossip
   gasloc-overlap  (optional) gasloc with outer.overlap=true: each exchange runs during the next round's inner steps
   gasloc-bw-open10  (optional) gasloc-bw with swarm.slower_link_open_share=0.1 instead of its default 0.25
@@ -22,6 +25,12 @@ Runs, one after another, each with a fresh bootstrap and fresh peers for the sam
               2026-11-30 (DiLoCo's); gasloc-bw-m09-open10 adds the open share 0.1, gasloc-bw-m09-k0
               outer.mix_momentum=0 (outer momentum carries only each peer's own progress; a mix moves the model
               once, to the pair's mean)
+
+Schedule, as a user runs either method: the same tokens per peer per round (H inner steps of the same batch) and
+the inner lr decayed by a cosine to 0.1 of its peak over the run. A run's length is wall-clock here, so each
+algorithm's decay spans the rounds its typical peer does in --duration-s: --decay-rounds (per 180 s; defaults from
+the invocations in docs/hetero-results.md: DiLoCo 6 rounds, GASLoC and gossip 15), scaled with the duration. The
+lr follows the swarm's position (round x H; a joiner takes over the round), and stays at 0.1 past the end.
 
 The swarm's mean validation loss at time t is the mean over peers of each peer's latest val_loss at or before t
 (the start event's initial_loss counts as its first). The clock of a run starts when every peer has printed READY.
@@ -67,6 +76,10 @@ RUNS = {  # name -> (outer.algorithm, bandwidth-aware (None: not applicable), fu
     "gasloc-bw-m09-k0": ("gasloc", True, {"outer.momentum": "0.9", "outer.mix_momentum": "0"}),
 }
 DEFAULT_RUNS = ("gasloc-bw", "gasloc", "diloco")
+# Rounds per 180 s over which each algorithm's inner lr decays (module docstring): its typical peer's rounds in the
+# invocations of docs/hetero-results.md (GASLoC: fast peers 15-29, slow ones 10-11; DiLoCo of the whole swarm: a
+# 6-peer all-reduce of ~24 s, 5 s of matchmaking and ~2.5 s of compute a round)
+DECAY_ROUNDS = "diloco=6,gasloc=15,gossip=15"
 
 # Hyperparameters shared by every run (the [outer] defaults of each algorithm apply). Timeouts are raised so that
 # a slow link finishes its transfer: 3.5 MB at 3 Mbit takes 9.3 s for a pair, and an all-reduce part shares the
@@ -84,6 +97,8 @@ val_batches = 4
 inner_steps = {inner_steps}
 warmup_steps = 20
 lr = 0.002
+decay_type = "cosine"
+min_lr_factor = 0.1
 
 [exchange]
 exchange_timeout_s = 60.0
@@ -93,6 +108,7 @@ partner_deadline_s = 10.0
 announce_ttl_s = 15.0
 
 [diloco]
+initial_group_size = {peers}
 matchmaking_time_s = 5.0
 request_timeout_s = 3.0
 averaging_timeout_s = 120.0
@@ -124,9 +140,17 @@ class Settings:
     fast_mbit: float
     slow_mbit: float
     inner_steps: int
+    decay_rounds: tuple[tuple[str, float], ...] = ()  # (algorithm, rounds per 180 s); empty: no lr decay
     boot_mbit: float = 100.0
     ready_timeout_s: float = 240.0
     stop_grace_s: float = 30.0
+
+    def total_steps(self, algorithm: str) -> int | None:
+        """inner.total_steps of an algorithm's run: its decay rounds, scaled to the run's duration, times H."""
+        per_180 = dict(self.decay_rounds).get(algorithm)
+        if per_180 is None:
+            return None
+        return self.inner_steps * max(2, round(per_180 * self.duration_s / 180))
 
     def peer_node(self, i: int) -> netlab.Node:
         return netlab.Node(f"p{i}", self.fast_mbit if i % 2 == 0 else self.slow_mbit)
@@ -152,6 +176,9 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
     from gasloc.runtime.procs import gasloc_argv
 
     algorithm, bw, settings = RUNS[name]
+    total = s.total_steps(algorithm)
+    if total is not None and "inner.total_steps" not in settings:
+        settings = {**settings, "inner.total_steps": str(total)}
     run_dir = out / name
     run_id = f"hetero-{name}-{os.getpid()}"
     names = [f"{name}/boot"] + [f"{name}/p{i}" for i in range(s.peers)]
@@ -188,6 +215,23 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
                        fast, t0, t_end)
 
 
+def parse_decay_rounds(text: str) -> tuple[tuple[str, float], ...]:
+    if text.strip().lower() == "none":
+        return ()
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        algorithm, _, rounds = item.partition("=")
+        try:
+            value = float(rounds)
+        except ValueError:
+            value = -1.0
+        if algorithm.strip() not in ("gasloc", "diloco", "gossip") or value <= 0:
+            raise click.BadParameter(f"{item!r}: expected ALGORITHM=ROUNDS with an algorithm of gasloc, diloco, "
+                                     f"gossip and ROUNDS > 0", param_hint="--decay-rounds")
+        out.append((algorithm.strip(), value))
+    return tuple(out)
+
+
 def probe_links(star: netlab.Star, s: Settings) -> dict[str, float]:
     """Measured TCP Mbit/s of a fast->fast and a fast->slow transfer (is the shaping what we asked for?)."""
     out = {}
@@ -214,13 +258,16 @@ def loadavg() -> str:
 @click.option("--fast-mbit", type=click.FloatRange(0.1), default=30.0, show_default=True)
 @click.option("--slow-mbit", type=click.FloatRange(0.1), default=3.0, show_default=True)
 @click.option("--inner-steps", type=click.IntRange(1), default=20, show_default=True, help="H, every run")
+@click.option("--decay-rounds", default=DECAY_ROUNDS, show_default=True,
+              help="ALGORITHM=ROUNDS,...: each algorithm's inner lr decays (cosine to 0.1) over this many rounds "
+              "per 180 s of --duration-s; 'none': no decay (the lr stays at its peak, as before 2026-12-05)")
 @click.option("--target-margin", type=click.FloatRange(0), default=0.02, show_default=True,
               help="nats added to the highest final mean loss to make the target")
 @click.option("--peer-config", type=click.Path(exists=True, dir_okay=False), help="TOML for every peer instead "
               "of the built-in one (the benchmark still sets algorithm, run id, addresses, shard, weighting)")
 @click.option("--out-dir", type=click.Path(file_okay=False), help="logs and metrics [runs/hetero-<time>]")
-def main(json_out, quick, cleanup_only, runs, peers, duration_s, fast_mbit, slow_mbit, inner_steps, target_margin,
-         peer_config, out_dir) -> None:
+def main(json_out, quick, cleanup_only, runs, peers, duration_s, fast_mbit, slow_mbit, inner_steps, decay_rounds,
+         target_margin, peer_config, out_dir) -> None:
     """GASLoC vs DiLoCo on real peers with half the links 10x slower: time to a common target loss."""
     why = netlab.unavailable_reason()
     if why is not None:
@@ -233,12 +280,13 @@ def main(json_out, quick, cleanup_only, runs, peers, duration_s, fast_mbit, slow
     bad = [r for r in names if r not in RUNS]
     if bad or not names:
         raise click.BadParameter(f"unknown run(s) {bad}; choose from {', '.join(RUNS)}", param_hint="--runs")
-    s = Settings(peers, duration_s or (45.0 if quick else 180.0), fast_mbit, slow_mbit, inner_steps)
+    s = Settings(peers, duration_s or (45.0 if quick else 180.0), fast_mbit, slow_mbit, inner_steps,
+                 parse_decay_rounds(decay_rounds))
     out = Path(out_dir or f"runs/hetero-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     if peer_config is None:
         peer_config = out / "peer.toml"
-        peer_config.write_text(PEER_TOML.format(inner_steps=inner_steps))
+        peer_config.write_text(PEER_TOML.format(inner_steps=inner_steps, peers=peers))
     stale = [ns for ns in netlab.list_namespaces() if ns.startswith(TAG)]
     if stale:
         click.echo(f"note: namespaces of other or crashed runs exist ({' '.join(stale)}); "

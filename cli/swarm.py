@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 from typing import Literal
 
@@ -73,6 +74,18 @@ def peer_env(i: int, n: int) -> dict[str, str]:
     return env
 
 
+def _sets_initial_group(env: dict[str, str], peer_config: Path | None) -> bool:
+    """Whether the caller chose diloco.initial_group_size (environment or the peers' config file) already."""
+    if "GASLOC_DILOCO__INITIAL_GROUP_SIZE" in env:
+        return True
+    if peer_config is None:
+        return False
+    try:
+        return "initial_group_size" in tomllib.loads(peer_config.read_text()).get("diloco", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return True  # the peers will report the file's problem; leave their settings alone
+
+
 def bootstrap_env() -> dict[str, str]:
     """The caller's GASLOC_* variables (and GASLOC_CONFIG) are meant for the peers: a bootstrap would reject them.
     Only the log level passes."""
@@ -130,7 +143,11 @@ def run(cfg: SwarmRunConfig, peer_args: tuple[str, ...] = ()) -> int:
                     *key_args]
             if cfg.peer_config is not None:
                 argv += ["--config", str(cfg.peer_config.resolve())]
-            sup.start(name, gasloc_argv(*argv, *peer_args), run_dir / name / "peer.log", env=peer_env(i, cfg.peers))
+            env = peer_env(i, cfg.peers)
+            if cfg.algorithm == "diloco" and not _sets_initial_group(env, cfg.peer_config):
+                # DiLoCo's start barrier: the first step is all of the peers started here (peer/swarm/diloco.py)
+                env["GASLOC_DILOCO__INITIAL_GROUP_SIZE"] = str(cfg.peers)
+            sup.start(name, gasloc_argv(*argv, *peer_args), run_dir / name / "peer.log", env=env)
         deadline = time.monotonic() + cfg.ready_timeout_s
         for view in views:
             ready = sup.wait_ready(sup.children[view.name], max(1.0, deadline - time.monotonic()), cancel=stop)

@@ -89,3 +89,14 @@ def test_the_all_reduce_codec_follows_the_exchange(codec, compression):
     pinned = PeerConfig.model_validate({"outer": {"algorithm": "diloco"}, "exchange": {"codec": codec},
                                         "diloco": {"compression": "none"}})
     assert compression_name(pinned) == "none"
+
+
+def test_gasloc_swarm_sets_the_start_barrier_to_its_peers_unless_the_caller_chose_one(tmp_path):
+    from gasloc.cli.swarm import _sets_initial_group
+    chosen, other, broken = tmp_path / "a.toml", tmp_path / "b.toml", tmp_path / "c.toml"
+    chosen.write_text("[diloco]\ninitial_group_size = 3\n")
+    other.write_text("[inner]\nlr = 0.001\n")
+    broken.write_text("[[[")
+    assert not _sets_initial_group({}, None) and not _sets_initial_group({}, other)
+    assert _sets_initial_group({"GASLOC_DILOCO__INITIAL_GROUP_SIZE": "2"}, None) and _sets_initial_group({}, chosen)
+    assert _sets_initial_group({}, broken)  # the peers report the file's problem themselves

@@ -8,16 +8,20 @@ with peers of its own epoch, and every member gathers {"round": epoch, "anchor":
 is checked before its mean is used (protocol/epochs.py `judge_group`).
 
 Failure semantics, per round (`average` returns only when one holds):
-- ok: a group of >= 2 of our epoch finished the all-reduce, every member claimed our epoch, our anchor agrees with
-  the group's majority, the mean is finite. The caller steps with it (every member alike: one model).
+- ok: a group of >= 2 of our epoch finished the all-reduce, every member claimed our epoch, our anchor is the
+  group's model (the anchor most members agree with, within diloco.anchor_tolerance), the mean is finite. The
+  caller steps with it (every member alike: one model); the round record's anchor_spread is the largest relative
+  difference to a groupmate's anchor sample (fp32: float32 rounding, ~1e-8; a lossy codec: its rounding, which
+  walks on from step to step, since hivemind hands each member the rounded difference to its own part).
 - an attempt that fails (no group within diloco.matchmaking_time_s, a groupmate dropped, the deadline, a member of
   another epoch, a non-finite mean) is tried again for the same epoch, with the same pseudo-gradient: never a solo
   outer step. The averager's buffers are scratch space: ours are copied in before each attempt and the mean copied
   out only on success, so a partial reduction is never applied.
 - behind: the other training peers' median announced round is past our epoch (they stepped without us: we were
   stopped, or dropped from the group), or the group's majority holds another model than ours (a fork; code=FORKED).
-  The caller drops the round and downloads a peer's state (checked on a local batch, peer/daemon.py `_resync`), as
-  hivemind.Optimizer's load_state_from_peers; the next group compares anchors again.
+  The caller drops the round and downloads a peer's state - parameters and the DiLoCo momentum, the round taken
+  from the adopted donor (checked on batches of its own, peer/daemon.py `_resync`) - as hivemind.Optimizer's
+  load_state_from_peers; the next group compares anchors again. A failed download: the next round tries again.
 - stopping: a stop signal came while waiting; the caller drops the round (the state stays at the last step).
 Start barrier: at epoch 0 a group needs diloco.initial_group_size members (the attempt is repeated until they come).
 A lone peer waits (DiLoCo has no step without a group). While it waits it serves the state of its last step to peers

@@ -48,8 +48,12 @@ class InnerConfig(BaseModel):
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
+    """AdamW for the model's device. CUDA: the fused kernel (no temporaries, one launch). CPU: the per-tensor loop,
+    whose values equal the foreach version's bit for bit on the CPU, while foreach allocates model-sized
+    temporaries (its sqrt of the second moment: one parameter copy more at the inner step's peak)."""
+    cuda = next(model.parameters()).is_cuda
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             weight_decay=cfg.weight_decay, foreach=True)
+                             weight_decay=cfg.weight_decay, **({"fused": True} if cuda else {"foreach": False}))
 
 
 def lr_at(step: int, cfg: InnerConfig, position: int | None = None) -> float:

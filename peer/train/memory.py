@@ -229,7 +229,6 @@ def dry_run(cfg, vocab_size: int, device: torch.device) -> int:
     from gasloc.peer.train.inner import inner_step_on_device, make_inner_optimizer
     from gasloc.peer.train.model import LlamaLM, autocast_for
     from gasloc.peer.train.outer import make_outer
-    from gasloc.protocol.averaging import mix
 
     device = torch.device(device)
     peak = RoundPeak(device)
@@ -249,14 +248,7 @@ def dry_run(cfg, vocab_size: int, device: torch.device) -> int:
     opt.zero_grad(set_to_none=True)  # as run_inner_phase does at the phase's end
     sent = outer.outgoing(params)
     if sent:
-        # the exchange's receive buffer (host), moved to the device for mixing as the daemon does
-        received = [t.detach().to("cpu", copy=True) for t in sent]
-        on_device = [t.to(device) for t in received]
-        if len(on_device) == len(params):
-            evaluate_with(model, on_device, [batch[:1]], autocast)  # a suspicious partner's batch check
-        mixed = mix(sent, [on_device])
-        outer.apply(params, mixed)
-        del received, on_device, mixed
+        _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device)
     del sent
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -279,6 +271,35 @@ def release_freed_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (musl): nothing to trim this way
         pass
+
+
+def _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device) -> None:
+    """An exchange with ourselves through the exchange's own staging (peer/transport/staging.py: our payload, the
+    decoded copy of our wire form, the partner's payload and its decoded tensors), then the daemon's steps: the
+    received tensors on the device, a partner's batch check, the in-place symmetric mix, the outer step."""
+    from gasloc.peer.transport.staging import Staging
+    from gasloc.protocol.averaging import group_mean_weight, mix_pair_
+    from gasloc.protocol.codec import parse
+    from gasloc.protocol.messages import TensorSpec
+
+    codec = parse(cfg.exchange.codec)
+    staging = Staging([TensorSpec.of(tuple(t.shape), t.dtype) for t in sent], codec)
+    payload = staging.encode(sent, seed=0)
+    own_wire = staging.own_wire(payload, sent, seed=0)
+    bufs, out = staging.receive_buffers(codec)
+    if bufs is not out:
+        for b, p in zip(bufs, payload):
+            b.copy_(p.reshape(-1).view(b.dtype) if p.dtype != b.dtype else p.reshape(b.shape))
+    else:
+        for o, t in zip(out, sent):
+            o.copy_(t)
+    staging.decode(codec, bufs, out, 0, own_wire if codec.sparse else None)
+    received = [t.to(device) for t in out]
+    wire = None if own_wire is None else [t.to(device) for t in own_wire]
+    if len(received) == len(params):
+        evaluate_with(model, received, [batch[:1]], autocast)  # a suspicious partner's batch check
+    mixed = mix_pair_(received, sent, wire, group_mean_weight(1)) if cfg.outer.algorithm != "diloco" else received
+    outer.apply(params, mixed)
 
 
 class DoesNotFit(Exception):

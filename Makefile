@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Pinned and installed first: a CPU build where the machine provides one, else PyPI's default (CUDA on Linux).
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean gpu-check
 venv: $(BIN)/.installed
 
 $(BIN)/.installed: pyproject.toml
@@ -26,6 +26,10 @@ demo: venv
 test: venv
 	$(BIN)/pytest -n 3 --dist loadgroup -m "light or not e2e" tests; u=$$?; \
 	$(BIN)/pytest -m "e2e and not light" tests/e2e; e=$$?; exit $$((u || e))
+
+# On a machine with a CUDA device: tests/gpu and bench/gpu.py in one go (bench/gpu_check.sh; docs/gpu.md).
+gpu-check: venv
+	PY=$(BIN)/python bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -50,6 +50,7 @@ def run_checks(cfg: DoctorConfig) -> list:
         check_cuda,
         check_dir_writable,
         check_disk,
+        check_memory,
         check_port,
         network_checks,
     )
@@ -59,7 +60,7 @@ def run_checks(cfg: DoctorConfig) -> list:
     checks += network_checks(cfg.initial_peers, cfg.announce_maddrs, cfg.public, cfg.timeout_s, cfg.max_clock_skew_s,
                              port=port, run_id=cfg.run_id)
     checks += [check_dir_writable(cfg.checkpoint_dir), check_disk(cfg.checkpoint_dir, cfg.min_free_disk_gb),
-               check_cuda(), check_codec(cfg.peer_config)]
+               check_cuda(), check_memory(cfg.peer_config), check_codec(cfg.peer_config)]
     return checks
 
 
@@ -95,7 +96,8 @@ def render(checks: list) -> None:
 @click.option("--run-id", help="the run to join (its peers answer the reachability probe) [gasloc]")
 @click.option("--checkpoint-dir", type=click.Path(), help="where checkpoints will go [runs]")
 @click.option("--timeout-s", type=float, help="per network step [10]")
-@click.option("--peer-config", type=click.Path(dir_okay=False), help="the peer's config file (its wire codec)")
+@click.option("--peer-config", type=click.Path(dir_okay=False),
+              help="the peer's config file (its wire codec, and whether its round fits in memory)")
 def doctor(config_file, print_config, **flags) -> None:
     """Check this machine for a swarm: p2pd, initial peers, addresses, port, clock, GPU, disk; exit 1 on FAIL."""
     from gasloc.runtime.config import resolve_for_cli

@@ -142,6 +142,39 @@ def check_cuda(min_free_gb: float = 2.0) -> Check:
     return Check("GPU", OK, "; ".join(parts))
 
 
+def check_memory(peer_config: Path | None) -> Check:
+    """Whether a round of the peer's config fits where it will train: the same estimate the peer's start-up check
+    begins with (peer/train/memory.py estimate_bytes, in parameter copies plus activations) against the same
+    headroom (CUDA: the device's free memory; CPU: run.memory_limit_mb, the cgroup's limit, MemAvailable). The
+    peer then measures it with a dry step; this check runs nothing."""
+    import torch
+
+    from gasloc.peer.config import PeerConfig
+    from gasloc.peer.train.memory import FIT_MARGIN, estimate_bytes, headroom, suggestion
+    from gasloc.runtime.config import ConfigError, resolve
+
+    try:
+        cfg = resolve(PeerConfig, str(peer_config) if peer_config else None, {}, environ={})
+    except ConfigError as e:
+        return Check("memory", FAIL, f"{peer_config}: {e}", "fix the peer's config file")
+    cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        return Check("memory", FAIL, "run.device is 'cuda' but no CUDA device is available",
+                     "use run.device = 'auto' or 'cpu', or install a CUDA build of torch")
+    device = torch.device("cuda" if cuda else "cpu")
+    vocab = 256  # the tokenizer is not loaded here: an HF vocabulary's embeddings are counted at 256 tokens
+    need = estimate_bytes(cfg.model, vocab, cfg.data.batch_size, cuda)
+    room = headroom(device, cfg.run.memory_limit_mb)
+    what = (f"model.preset '{cfg.model.preset}', data.batch_size {cfg.data.batch_size}, model.seq_len "
+            f"{cfg.model.seq_len} on {device.type}: a round needs about {need / 1e6:.0f} MB (estimated"
+            + ("" if cfg.data.tokenizer == "bytes" else ", embeddings at a 256-token vocabulary")
+            + f"), {room.bytes / 1e6:.0f} MB {room.source}")
+    if need * FIT_MARGIN > room.bytes:
+        return Check("memory", FAIL, what, suggestion(cfg, vocab, cuda, max(room.bytes, 0), 1.0)
+                     + "; the peer would refuse to start (it measures with one dry step)")
+    return Check("memory", OK, what)
+
+
 # ------------------------------------------------------------------------------------------- network checks
 def check_codec(peer_config: Path | None) -> Check:
     """Which codec the peer's exchanges send (exchange.codec), and what an exchange of its model costs."""

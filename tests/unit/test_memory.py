@@ -96,3 +96,18 @@ def test_the_out_of_memory_marker_holds_for_the_same_settings_only(tmp_path):
     assert line is not None and "round 7" in line and "CUDA out of memory." in line and "\n" not in line
     assert oom_refusal(tmp_path, cfg_of(data__batch_size=1), torch.device("cpu")) is None  # settings changed
     assert not (tmp_path / "out-of-memory.json").exists()
+
+
+def test_doctor_uses_the_same_estimate_and_names_what_fits(tmp_path):
+    from gasloc.cli.doctor_checks import check_memory
+
+    cfg = tmp_path / "peer.toml"
+    cfg.write_text('[model]\npreset = "medium"\n[run]\ndevice = "cpu"\nmemory_limit_mb = 500\n')
+    c = check_memory(cfg)
+    assert c.status == "FAIL" and "model.preset 'medium'" in c.detail and "run.memory_limit_mb=500" in c.detail
+    assert "fits" in c.fix
+    need = estimate_bytes(cfg_of(model__preset="medium", model__seq_len=128, data__batch_size=8).model, 256, 8,
+                          False)
+    assert f"{need / 1e6:.0f} MB" in c.detail
+    cfg.write_text('[model]\npreset = "micro"\n[run]\ndevice = "cpu"\n')
+    assert check_memory(cfg).status == "OK"

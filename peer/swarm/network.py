@@ -511,8 +511,11 @@ class Network(Reachability, Joining):
         now = time.monotonic()
         # an "exchanging" that outlives a round's plausible time is not believed: a record that says so for ever
         # would otherwise be in every search's ready set (protocol/claims.py stale_ready)
-        listed = {pid for pid, r in self.live.items() if r.state == "exchanging"} - self._stale_ready(now)
-        return (listed | self.hints.ready(now)) - {self.peer_id}
+        # (and a hint that it is ready does not override that: its accomplices, or honest peers it keeps calling,
+        # would pass it on)
+        stale = self._stale_ready(now)
+        listed = {pid for pid, r in self.live.items() if r.state == "exchanging"}
+        return (listed | self.hints.ready(now)) - stale - {self.peer_id}
 
     def in_sight(self) -> set[str]:
         """Every compatible peer we hold a record of, and those others told us about."""

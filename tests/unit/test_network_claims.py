@@ -42,6 +42,9 @@ def test_a_record_exchanging_for_longer_than_a_round_is_not_ready(clock):
     clock[0] += 60                                   # 90 s "exchanging" at round 7: no search lasts that long
     net.live = {"sybil": _rec("sybil", "exchanging", 7, time=1090.0), "honest": _rec("honest", "exchanging", 9)}
     assert net.ready_peers() == {"honest"}
+    # a peer-exchange hint that it is ready (an accomplice's, or a peer it keeps calling) does not bring it back
+    net.hints.saw("sybil", "exchanging", 7, clock[0])
+    assert "sybil" in net.hints.ready(clock[0]) and net.ready_peers() == {"honest"}
 
 
 def test_a_record_never_re_announced_leaves_the_view(clock):

@@ -206,27 +206,23 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def save_checkpoint(cfg: CheckpointConfig, *, model: torch.nn.Module, inner_opt: torch.optim.Optimizer, outer,
-                    data_state: dict, round: int, meta: dict, fingerprint: str | None = None) -> Path:
-    """Write one checkpoint atomically and keep the newest `cfg.keep`; returns its directory.
+@dataclass
+class Staged:
+    """A checkpoint's contents copied to host memory (`stage`), ready to be written by another thread while
+    training goes on with the live tensors."""
+    tensors: dict[str, torch.Tensor]
+    record: dict
+    round: int
 
-    `fingerprint` (or meta["fingerprint"]) is compared by load_latest; meta is any JSON-able dict (the daemon puts
-    e.g. {"tokenizer": ..., "inner_step": ...} there; `gasloc export` reads meta["tokenizer"]).
-    """
-    from safetensors.torch import save_file
 
-    if cfg.dir is None:
-        raise ValueError("checkpoint.dir is not set")
+def stage(*, model: torch.nn.Module, inner_opt: torch.optim.Optimizer, outer, data_state: dict, round: int,
+          meta: dict, fingerprint: str | None = None) -> Staged:
+    """Copy what a checkpoint holds (on the training thread, at a round boundary: a consistent state); the slow
+    part (finite check, safetensors, sha256, fsync) is `write_staged`'s."""
     fp = fingerprint if fingerprint is not None else meta.get("fingerprint")
     if not isinstance(fp, str) or not fp:
         raise ValueError("save_checkpoint needs the config fingerprint (fingerprint= or meta['fingerprint'])")
-    root = Path(cfg.dir)
-    root.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(root)
     tensors, record = _flatten(model, inner_opt, outer)
-    bad = _first_non_finite(tensors)
-    if bad is not None:  # a NaN checkpoint would be resumed on every restart: a crash loop
-        raise CheckpointError(f"not written: tensor {bad} has NaN or Inf values")
     record.update({"format": FORMAT, "version": VERSION, "round": int(round), "fingerprint": fp,
                    "created_unix": time.time(), "data_state": data_state, "meta": meta,
                    "model": _model_record(model), "outer": {"class": type(outer).__name__}})
@@ -234,6 +230,34 @@ def save_checkpoint(cfg: CheckpointConfig, *, model: torch.nn.Module, inner_opt:
         json.dumps(record)
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint data_state/meta must be JSON-able: {e}") from None
+    return Staged(tensors, record, int(round))
+
+
+def save_checkpoint(cfg: CheckpointConfig, *, model: torch.nn.Module, inner_opt: torch.optim.Optimizer, outer,
+                    data_state: dict, round: int, meta: dict, fingerprint: str | None = None) -> Path:
+    """Write one checkpoint atomically and keep the newest `cfg.keep`; returns its directory.
+
+    `fingerprint` (or meta["fingerprint"]) is compared by load_latest; meta is any JSON-able dict (the daemon puts
+    e.g. {"tokenizer": ..., "inner_step": ...} there; `gasloc export` reads meta["tokenizer"]).
+    """
+    return write_staged(cfg, stage(model=model, inner_opt=inner_opt, outer=outer, data_state=data_state,
+                                   round=round, meta=meta, fingerprint=fingerprint))
+
+
+def write_staged(cfg: CheckpointConfig, staged: Staged) -> Path:
+    """The I/O half of save_checkpoint: refuse a non-finite state, write into a temporary folder, fsync, rename
+    (the commit point), prune. Safe to run off the training thread: it reads only `staged`."""
+    from safetensors.torch import save_file
+
+    if cfg.dir is None:
+        raise ValueError("checkpoint.dir is not set")
+    root = Path(cfg.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(root)
+    tensors, record, round = staged.tensors, dict(staged.record), staged.round
+    bad = _first_non_finite(tensors)
+    if bad is not None:  # a NaN checkpoint would be resumed on every restart: a crash loop
+        raise CheckpointError(f"not written: tensor {bad} has NaN or Inf values")
     name = f"ckpt-{int(round):08d}-{time.time_ns()}"
     tmp = root / f".tmp-{name}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
@@ -256,6 +280,42 @@ def save_checkpoint(cfg: CheckpointConfig, *, model: torch.nn.Module, inner_opt:
     _prune(root, cfg.keep)
     log.info("checkpoint_saved round=%d path=%s bytes=%d", round, final, record["files"][STATE_FILE]["bytes"])
     return final
+
+
+class CheckpointWriter:
+    """Writes staged checkpoints on one background thread, in order, one at a time: the training thread pays for
+    the copy only (`stage`), not for serializing, hashing and fsyncing. `flush()` waits for the write in flight
+    (before loading a checkpoint, and at shutdown). A failed write is logged and reported to `done` as an error;
+    the older checkpoints stay the newest valid ones."""
+
+    def __init__(self):
+        import concurrent.futures
+
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._last = None
+
+    def submit(self, cfg: CheckpointConfig, staged: Staged, done) -> None:
+        """Write `staged`; then call done(path, None) or done(None, error) on the writer thread."""
+        self.flush()  # one in flight at most: a slow disk holds back the next save, not memory
+
+        def write() -> None:
+            try:
+                path = write_staged(cfg, staged)
+            except (CheckpointError, OSError, ValueError) as e:
+                done(None, e)
+                return
+            done(path, None)
+
+        self._last = self._pool.submit(write)
+
+    def flush(self) -> None:
+        if self._last is not None:
+            self._last.result()
+            self._last = None
+
+    def close(self) -> None:
+        self.flush()
+        self._pool.shutdown(wait=True)
 
 
 # ---- reading

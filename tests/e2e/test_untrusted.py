@@ -1,112 +1,110 @@
-"""Untrusted volunteers (issue 11 part A) on real `gasloc peer` processes, tiny model, fixed rounds.
+"""Untrusted volunteers (issues 11 part A and 29) on real `gasloc peer` processes, tiny model, fixed rounds.
 
-1. Robust mixing: CLEAN_RUNS clean swarms of 4 honest peers, then the same with one noisy volunteer (Gaussian noise
-   on its parameters after every inner step), then with one peer that sends its model scaled x3. The attackers are
-   real peers made hostile by the [fault] config section, a TEST FAULT INJECTOR (peer/config.py FaultConfig). With
-   the guard at its defaults (on), the honest peers' median final validation loss stays within BOUND of the worst
-   clean swarm's (clean runs of the same seeds differ among themselves, measured in the same test)
-   and their metrics show the attacker's mixes clipped or rejected, the round searching on for another partner.
+1. Hostile volunteers: CLEAN_RUNS clean swarms of 4 honest peers, then the same with one hostile peer of each of
+   CHECKED (bench/adversary.py runs the swarms and reads their metrics and logs: the same code as the bench):
+   noisy (Gaussian noise on its parameters after every inner step) and scaled (sends 3y), the attackers the guard was
+   built against; uphill (offers y plus a step up its own gradients, sized from its own guard's view to stay under
+   tau) and echo (sends a partner's own payload back: distance ~0). The bias attackers are real peers made hostile
+   by the [fault] config section, a TEST FAULT INJECTOR (peer/config.py FaultConfig); echo is `gasloc peer` with a
+   hostile exchange (bench/adversary.py hostile-peer). What must hold: no honest peer crashes, the honest median
+   final validation loss stays within BOUND of the worst clean swarm's, the noisy, scaled and echo offers are never
+   accepted (a rejection searches on), and in the clean swarms honest peers do not reject each other after round 6.
+   A lying donor, its own swarm: started first, the only peer claiming a round > 0, so every honest peer joins from
+   it; its state says round 10^9, then "soon", then -7. No honest peer may crash or adopt its state.
 2. Crash safety: a peer whose parameters turn NaN mid-round goes back to its last finite checkpoint and trains on;
    no checkpoint it leaves has a NaN; a SIGTERM that cuts a round short leaves the last full round's state.
 """
 from __future__ import annotations
 
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from e2e.harness import LOOPBACK
-from e2e.swarm_helpers import rounds, start_event, val_losses, write_config
+from e2e.swarm_helpers import start_event, val_losses, write_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from adversary import measure, run_swarm  # noqa: E402  (the adversary bench's swarms and figures)
 
 ROUNDS = 16
 BOUND = 1.3  # the attacked swarms' honest median against the worst clean one (see the test for why not 1.05)
 CLEAN_RUNS = 3
-HONEST = ["h0", "h1", "h2", "h3"]
-ATTACKS = {
-    "noisy": "[fault]\nnoise_std = 0.02\n",   # large finite noise after every inner step
-    "scaled": "[fault]\nsend_scale = 3.0\n",  # sends 3 y instead of y
-}
+CHECKED = ("noisy", "scaled", "uphill", "echo")
 
 
-def _swarm(h, boot: list[str], tag: str, fault: str | None) -> tuple[list[float], list[dict], str | None]:
-    """One swarm of HONEST (+ an attacker with `fault`) for ROUNDS rounds, through the bootstrap at `boot`: (honest
-    final val losses, honest round records, the attacker's peer id)."""
-    cfg = write_config(h, inner_steps=10).rename(h.run_dir / f"peer-{tag}.toml")
-    # every round evaluated: a peer that joined late ends on another round number than the others
-    cfg.write_text(cfg.read_text().replace('run_id = "e2e"', f'run_id = "e2e-{tag}"')
-                   .replace("eval_every_rounds = 2", "eval_every_rounds = 1"))
-    names = [f"{tag}-{n}" for n in HONEST]
-    configs = dict.fromkeys(names, cfg)
-    if fault is not None:
-        bad = h.run_dir / f"attacker-{tag}.toml"
-        bad.write_text(cfg.read_text() + fault)
-        configs[f"{tag}-bad"] = bad
-    # the same data streams in every scenario (a peer's seed file, peer/daemon.py worker_seed): what differs
-    # between the clean and the attacked swarm is the attacker, and random partner choice, not which data came first
-    for n in configs:
-        (h.dir(n) / "worker_seed").write_text(f"{n.split('-', 1)[1]}\n")
-    # all at once: the attacker is one of the swarm's first members, not a late joiner
-    children = {n: h.spawn(n, "peer", "--config", c, "--initial-peers", boot[0], "--host-maddrs", LOOPBACK,
-                           "--run-dir", h.dir(n), "--max-rounds", ROUNDS, "--no-checkpoint")
-                for n, c in configs.items()}
-    ids = {n: h.wait_ready(c, 150)["peer_id"] for n, c in children.items()}
-    attacker = ids.get(f"{tag}-bad")
-    for n in names:
-        code = h.wait_exit(n, 400)
-        assert code == 0, (n, code, h.log(n)[-3000:])
-    if attacker is not None:
-        # the honest peers are done; the attacker, some rounds behind (distrusted) and now alone in its run, would wait
-        # out its partner deadline in each round it has left (it ended 7-9 s after the last honest peer): stopped
-        # instead, cleanly
-        h.terminate(f"{tag}-bad")
-        code = h.wait_exit(f"{tag}-bad", 400)
-        assert code == 0, (f"{tag}-bad", code, h.log(f"{tag}-bad")[-3000:])
-    finals, recs = [], []
-    for n in names:
-        rs = rounds(h, n)
-        assert len(rs) == ROUNDS, (n, [r["round"] for r in rs])
-        assert rs[-1]["val_loss"] is not None, rs[-1]
-        finals.append(rs[-1]["val_loss"])
-        recs += rs
-    return finals, recs, attacker
+def _problems(mode: str, row: dict, base: float) -> list[str]:
+    """What went wrong in one attacked swarm (empty: it held)."""
+    v, met = row["verdicts"], sum(row["verdicts"].values())
+    out = []
+    if row["crashes"]:
+        out.append(f"{row['crashes']} honest peer(s) crashed or fell short of {ROUNDS} rounds")
+    if row["adopted"]:
+        out.append(f"{row['adopted']} honest join(s)/resync(s) adopted the hostile peer's state")
+    if not row["val"] <= base * BOUND:
+        out.append(f"honest median val loss {row['val']:.4f} > {BOUND} x worst clean {base:.4f}")
+    if mode in ("noisy", "scaled", "uphill", "echo") and not met:
+        out.append("no honest peer judged the attacker's tensors (the attack was not exercised)")
+    if mode in ("noisy", "scaled", "echo") and v["accept"]:
+        out.append(f"{v['accept']} of its offers accepted as they were ({v})")
+    if mode in ("noisy", "scaled") and not row["searched_on"]:
+        out.append("a rejection of the attacker never searched on for another partner")
+    return out
 
 
-@pytest.mark.timeout(1500)
-def test_guard_keeps_honest_loss_against_a_noisy_and_a_scaled_volunteer(harness):
+@pytest.mark.timeout(1800)
+def test_honest_peers_hold_against_hostile_volunteers(harness):
     h = harness
-    # One bootstrap for the five swarms, one after another: each swarm has a run id of its own, so they share no DHT
+    # One bootstrap for every swarm, one after another: each swarm has a run id of its own, so they share no DHT
     # key, only the entry node (a fresh one per swarm cost ~6 s each to start and to stop)
-    boot = h.bootstrap("boot").maddrs
-    cleans = [_swarm(h, boot, f"clean{i}", None) for i in range(CLEAN_RUNS)]
-    medians = [statistics.median(finals) for finals, _, _ in cleans]
+    boot = h.bootstrap("boot").maddrs[0]
+    cleans = [measure(h.run_dir, run_swarm(h.sup, h.run_dir, boot, f"clean{i}", None, ROUNDS), ROUNDS)
+              for i in range(CLEAN_RUNS)]
+    medians = [c["val"] for c in cleans]
     base = max(medians)
     print(f"clean swarms: honest median final val loss {[round(m, 4) for m in medians]} "
           f"(spread {base / min(medians) - 1:+.1%})")
     assert base < 4.0, medians  # the clean swarms learned (a fresh tiny model is at ~5.2)
-    clean_recs = [r for _, recs, _ in cleans for r in recs]
-    # honest peers barely clip each other, and never reject each other: the guard leaves honest mixing alone
-    verdicts = [r["guard"] for r in clean_recs if r.get("guard")]
-    assert verdicts and sum(v == "accept" for v in verdicts) >= 0.7 * len(verdicts), verdicts
-    assert not any(r["rejected"] for r in clean_recs if r.get("guard")), [r for r in clean_recs if r.get("rejected")]
-    for tag, fault in ATTACKS.items():
-        finals, recs, bad = _swarm(h, boot, tag, fault)
-        with_bad = [r for r in recs if r["partner"] == bad and r.get("guard")]
-        searched_on = [r for r in recs if r.get("rejected_partner") == bad]
-        print(f"{tag}: honest median final val loss {statistics.median(finals):.4f} ({finals}); verdicts on the "
-              f"attacker {[(r['guard'], round(r['clipped_by'], 3)) for r in with_bad]}; rounds that searched on "
-              f"after rejecting it {[(r['outcome'], r['guard']) for r in searched_on]}")
-        assert with_bad or searched_on, f"no honest peer received the {tag} attacker's tensors"
-        assert all(r["guard"] in ("clip", "reject") for r in with_bad), with_bad
-        assert all(r["outcome"] == "rejected" for r in with_bad if r["rejected"])
-        assert searched_on, "a rejection of the attacker never searched on for another partner"
-        # Unguarded, the noisy volunteer made it +109% and the scaled one NaN. Issue 11 asked for 5% of the clean
-        # swarms, but identical 4-peer swarms of 16 rounds differ by more than that: in one fresh-clone run the
-        # scaled swarm's honest peers, which never met the attacker (every exchange honest and accepted), ended
-        # at 2.76 against clean 2.17-2.27 (+22%). The bound is taken from the worst clean swarm of this run.
-        assert statistics.median(finals) <= base * BOUND, (tag, finals, medians)
+    for c in cleans:
+        assert not c["crashes"], c
+        # the guard leaves honest mixing alone once the first rounds are past
+        assert not c["wrong_rejections_late"], c
+    problems = {}
+    for mode in CHECKED:
+        row = measure(h.run_dir, run_swarm(h.sup, h.run_dir, boot, mode, mode, ROUNDS), ROUNDS)
+        print(f"{mode}: honest median final val loss {row['val']:.4f} ({row['finals']}); verdicts on the attacker "
+              f"{row['verdicts']}, searched on {row['searched_on']}, share {row['share']:.2f}, crashes "
+              f"{row['crashes']}, adopted {row['adopted']}, served {row['hostile_served']}")
+        if got := _problems(mode, row, base):
+            problems[mode] = got
+    # Unguarded, the noisy volunteer made it +109% and the scaled one NaN; the uphill attacker +74% past the first
+    # guard (issue 29). Issue 11 asked for 5% of the clean swarms, but identical 4-peer swarms of 16 rounds differ
+    # by more than that: in one fresh-clone run the scaled swarm's honest peers, which never met the attacker (every
+    # exchange honest and accepted), ended at 2.76 against clean 2.17-2.27 (+22%). The bound is taken from the worst
+    # clean swarm of this run; bench/adversary.py measures against the clean median with more rounds.
+    assert not problems, problems
+
+
+@pytest.mark.xfail(strict=True, reason="open (issue 29, claims): a lone donor whose record claims a round 1000 "
+                   "ahead is believed at first sight (the median of a one-record listing), so every joiner adopts its "
+                   "state at round ~1012 (first run, 2026-12-05 01:27 UTC: 4 of 4 joiners); strict, so the fix "
+                   "turns this red until the marker goes")
+@pytest.mark.timeout(600)
+def test_no_honest_joiner_adopts_a_lying_donors_state(harness):
+    """A donor that started first is the only peer claiming a round > 0, so all four honest peers start as its
+    joiners: it serves its starting state saying round 10^9 (reply header and metadata alike), then "soon", then -7
+    (metadata), and its record claims a round 1000 ahead of its own. No honest peer may crash or take its state."""
+    h = harness
+    boot = h.bootstrap("boot").maddrs[0]
+    row = measure(h.run_dir, run_swarm(h.sup, h.run_dir, boot, "donor", "donor-round", 8), 8)
+    print(f"lying donor: served {row['hostile_served']} snapshot(s); honest adoptions {row['adopted']} at rounds "
+          f"{row['adopted_rounds']}; crashes {row['crashes']}; honest median val loss {row['val']:.4f}")
+    assert row["hostile_served"] >= 1, "no honest joiner asked the lying donor for its state"
+    assert not row["crashes"], row
+    assert not row["adopted"], row
 
 
 @pytest.mark.light  # one peer, alone

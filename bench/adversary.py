@@ -450,37 +450,67 @@ def main(ctx, modes, rounds, clean_runs, run_dir, json_out):
         raise click.UsageError(f"--modes takes {', '.join(MODES)} (got {', '.join(unknown) or 'none'})")
     run_dir = (run_dir or Path("runs") / time.strftime("adv-%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    json_out = json_out or run_dir / "adversary.json"
+    meta = {"rounds": rounds, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), **_code_state()}
+    click.echo(f"commit {meta['commit']}, {len(meta['uncommitted'])} file(s) differ from it; {run_dir}", err=True)
     sup = Supervisor()
     rows: list[dict] = []
     code = 0
+
+    def one(tag: str, mode: str | None) -> None:
+        try:
+            sw = run_swarm(sup, run_dir, boot_addr, tag, mode, rounds)
+            rows.append(measure(run_dir, sw, rounds))
+            r = rows[-1]
+            click.echo(f"{tag}: val {r['val']:.4f} crashes {r['crashes']} adopted {r['adopted']} share "
+                       f"{r['share']:.2f} verdicts {r['verdicts']}", err=True)
+        except ChildFailed as e:   # a swarm that could not start: its row says so, the next swarm runs
+            click.echo(f"{tag}: Error: {e}", err=True)
+            rows.append({"tag": tag, "mode": mode or "clean", "error": str(e)[:500]})
+        # after every swarm, so a run cut short keeps what it measured
+        json_out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+
     try:
         boot = sup.start("boot", gasloc_argv("bootstrap", "--host-maddrs", LOOPBACK, "--identity-path",
                                              str(run_dir / "boot.key")), run_dir / "boot.log", env=child_env())
         boot_addr = sup.wait_ready(boot, 90)["maddrs"][0]
-        # clean swarms first and between the attacked ones would be fairer to a machine whose load drifts; first
-        # keeps the baseline whole if the run is cut short
+        # the clean swarms first, so a run cut short still has its baseline
         for i in range(clean_runs):
-            sw = run_swarm(sup, run_dir, boot_addr, f"clean{i}", None, rounds)
-            rows.append(measure(run_dir, sw, rounds))
-            click.echo(f"clean{i}: val {rows[-1]['val']:.4f}", err=True)
+            one(f"clean{i}", None)
         for m in mode_list:
-            sw = run_swarm(sup, run_dir, boot_addr, m, m, rounds)
-            rows.append(measure(run_dir, sw, rounds))
-            click.echo(f"{m}: val {rows[-1]['val']:.4f} crashes {rows[-1]['crashes']} adopted "
-                       f"{rows[-1]['adopted']} share {rows[-1]['share']:.2f}", err=True)
+            one(m, m)
     except ChildFailed as e:
         click.echo(f"Error: {e} (logs in {run_dir})", err=True)
         code = 1
     finally:
         sup.stop_all(10.0)
         sup.cleanup()
-    cleans = [r["val"] for r in rows if r["mode"] == "clean" and math.isfinite(r["val"])]
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    good = [r for r in rows if "error" not in r]
+    cleans = [r["val"] for r in good if r["mode"] == "clean" and math.isfinite(r["val"])]
     clean = statistics.median(cleans) if cleans else math.nan
-    click.echo(f"clean swarms: {[round(c, 4) for c in cleans]} median {clean:.4f}; rounds {rounds}; {run_dir}")
-    click.echo(format_table(rows, clean))
-    if json_out is not None:
-        json_out.write_text(json.dumps({"rounds": rounds, "clean_median": clean, "rows": rows}, indent=1))
+    click.echo(f"clean swarms: {[round(c, 4) for c in cleans]} median {clean:.4f}; rounds {rounds}; "
+               f"{meta['started']} - {meta['finished']}; commit {meta['commit']}")
+    click.echo(format_table(good, clean))
+    for r in rows:
+        if "error" in r:
+            click.echo(f"{r['tag']}: no row ({r['error'][:200]})")
+    json_out.write_text(json.dumps({**meta, "clean_median": clean, "rows": rows}, indent=1))
     sys.exit(code)
+
+
+def _code_state() -> dict:
+    """The commit this run measured, and the files of the working tree that differ from it (a shared tree)."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--short", "--untracked-files=no"], cwd=root, capture_output=True,
+                                text=True, timeout=10).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "?", "uncommitted": []}
+    return {"commit": commit, "uncommitted": [line[3:] for line in status if line.strip()]}
 
 
 @main.command("hostile-peer", hidden=True, context_settings={"ignore_unknown_options": True})

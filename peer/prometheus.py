@@ -43,8 +43,8 @@ class Metric:
 
 # One line per metric. Units in names (Prometheus style): _seconds, _bytes; counters get _total from the client.
 METRICS: tuple[Metric, ...] = (
-    Metric("info", "gasloc_peer", "this peer: id, algorithm and device (value 1)", "start",
-           labels=("peer_id", "algorithm", "device")),
+    Metric("info", "gasloc_peer", "this peer: id, algorithm, device and wire codec (value 1)", "start",
+           labels=("peer_id", "algorithm", "device", "codec")),
     Metric("gauge", "gasloc_round", "outer rounds this peer has completed (its round count, resumed or joined)",
            "round", "round"),
     Metric("counter", "gasloc_rounds", "outer rounds completed by this process", "round"),

@@ -4,10 +4,11 @@ A codec is named by one string that travels in the exchange header (`ExchangeReq
 exactly how to read the payload and how many bytes it must be:
 
     float32 | float16 | bfloat16     a cast (float32 is lossless for an fp32 model)
-    int<b>[-b<block>][-p<pct>][-sr|-rn]
+    int<b>[-b<block>][-p<pct>][-sr|-rn|-sd]
                                      blockwise: b in {2, 3, 4, 8} bits a value, one fp16 scale per `block` values
-                                     (default 64), stochastic (sr, the default) or nearest (rn) rounding; with
-                                     -p<pct>, only pct % of the blocks travel (seeded sparse averaging, below)
+                                     (default 64), stochastic (sr, the default), nearest (rn) or shared-dither (sd)
+                                     rounding; with -p<pct>, only pct % of the blocks travel (seeded sparse
+                                     averaging, below)
 
 Blockwise layout of one tensor (n values, padded with zeros to nb = ceil(n / block) blocks):
 
@@ -22,6 +23,14 @@ tensor, chosen by a seed both derive from the exchange (`block_choice`), so no i
 chosen blocks' scales and codes in the chosen order. The receiver decodes them over a copy of its own wire form
 (`decode(..., fill=...)`), so everything not chosen mixes as identical and only the chosen blocks move this round.
 int8-p10 is 0.1 * 8.25 = 0.83 bits a parameter.
+
+Shared dither (`-sd`): stochastic rounding whose random offsets both sides of an exchange draw from the exchange's
+seed, on a scale grid both are likely to share (each block's scale rounded up to a power of two). Two close models
+then round their common part the same way: Q(y_j) - Q(y_i) is still y_j - y_i in expectation, but its noise grows
+with the square root of their difference times the step instead of with the step (independent roundings add about a
+third of a step of noise to every coordinate of every mix, however close the pair already is). The price: the
+payload waits for the exchange's seed (it is encoded after the handshake, not at the offer), and a power-of-two
+scale loses up to one bit of range.
 
 Why stochastic rounding: the exchange mixes the wire form of both sides (`protocol/averaging.py` `mix_pair_`:
 z_i = y_i + w (Q(y_j) - Q(y_i))), so the pair's mean is exact whatever Q does, and what Q costs is only how well the
@@ -49,7 +58,8 @@ DEFAULT_CODEC = "int4"
 DEFAULT_BLOCK = 64
 CASTS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BLOCK_BITS = (2, 3, 4, 8)
-_BLOCKWISE = re.compile(r"^int(?P<bits>\d)(?:-b(?P<block>\d{1,5}))?(?:-p(?P<pct>\d{1,2}))?(?:-(?P<rounding>sr|rn))?$")
+_BLOCKWISE = re.compile(
+    r"^int(?P<bits>\d)(?:-b(?P<block>\d{1,5}))?(?:-p(?P<pct>\d{1,2}))?(?:-(?P<rounding>sr|rn|sd))?$")
 
 
 class CodecError(ValueError):
@@ -64,6 +74,7 @@ class Codec:
     block: int = 0            # values per fp16 scale (0: a cast)
     stochastic: bool = False  # rounding of blockwise codes
     percent: int = 100        # share of the blocks that travel (seeded sparse averaging), in percent
+    shared: bool = False      # stochastic rounding with the exchange's shared dither, on power-of-two scales
 
     @property
     def lossless(self) -> bool:
@@ -73,6 +84,11 @@ class Codec:
     @property
     def cast(self) -> torch.dtype | None:
         return CASTS.get(self.name)
+
+    @property
+    def seeded(self) -> bool:
+        """Encoding needs the exchange's seed (a sparse codec's blocks, a shared dither): once per exchange."""
+        return self.sparse or self.shared
 
     @property
     def sparse(self) -> bool:
@@ -138,11 +154,20 @@ class Codec:
             nb = xb.shape[0]
         qmax = (1 << (self.bits - 1)) - 1
         scales = out[:2 * nb].view(torch.float16)
-        torch.div(xb.abs().amax(dim=1), qmax, out=scales)   # fp16: what the receiver reads back
+        step = xb.abs().amax(dim=1).div_(qmax)
+        if self.shared:   # a power of two at or above the step: two close models mostly pick the same one
+            step = torch.exp2(torch.ceil(torch.log2(step)))
+        scales.copy_(step)                                  # fp16: what the receiver reads back
         s = scales.float()
         s[s == 0] = 1.0                                     # an all-zero block: codes qmax, decoded 0
         q = xb / s.unsqueeze(1)
-        if self.stochastic:
+        if self.shared:
+            if seed is None:
+                raise CodecError(f"{self.name}: a shared dither encodes with the exchange's seed")
+            # drawn on the CPU from the seed alone, so that both sides, on any device, draw the same offsets
+            u = torch.rand(q.shape, generator=torch.Generator().manual_seed(seed))
+            q.add_(u.to(dev)).floor_()
+        elif self.stochastic:
             q.add_(torch.rand(q.shape, generator=generator, device=dev)).floor_()
         else:
             q.round_()
@@ -204,7 +229,8 @@ def _parse(name: str) -> Codec:
     pct = int(m["pct"] or 100)
     if not 1 <= pct <= 100:
         raise CodecError(f"codec {name!r}: -p{pct}, the share of blocks sent must be 1..99 percent")
-    return Codec(name, bits=bits, block=block, stochastic=m["rounding"] != "rn", percent=pct)
+    return Codec(name, bits=bits, block=block, stochastic=m["rounding"] != "rn", percent=pct,
+                 shared=m["rounding"] == "sd")
 
 
 def check_name(name: str) -> str:

@@ -184,7 +184,10 @@ SUITE_NAMES = ("paper", "paper-cosine", "smoke", "overlap", "overlap-smoke", "he
               help="Also write the markdown table here.")
 @click.option("--jobs", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Runs in parallel (one process and one torch thread each).")
-def compare(suite: str, json_out, plot_out, md_out, jobs: int) -> None:
+@click.option("--only", default=None, metavar="PATTERNS", help="Only the runs whose names match one of these "
+              "comma-separated shell patterns (and the runs they derive from), e.g. 'float32-*,int4-sd-*'; claims "
+              "that read a run left out say so.")
+def compare(suite: str, json_out, plot_out, md_out, jobs: int, only: str | None) -> None:
     """Run a suite of simulations and print a markdown table with PASS/FAIL per claim."""
     _setup_logging()
     from gasloc.sim.scale import SCALE_SUITES
@@ -192,9 +195,12 @@ def compare(suite: str, json_out, plot_out, md_out, jobs: int) -> None:
 
     with _progress_bar(f"suite {suite}") as progress:
         try:
-            report = run_suite({**SUITES, **SCALE_SUITES}[suite], jobs=jobs, progress=progress)
+            report = run_suite({**SUITES, **SCALE_SUITES}[suite], jobs=jobs, progress=progress,
+                               only=only.split(",") if only else None)
         except FloatingPointError as e:
             _fail(str(e), 1)
+        except ValueError as e:   # --only matched nothing
+            _fail(str(e), 2)
     table = markdown(report)
     click.echo(table, nl=False)
     if md_out:

@@ -51,7 +51,8 @@ OVERLAP_PANELS = [("uniform", "uniform 1 Gbit links"), ("half-slow-10x", "half t
 def _panels(report: dict) -> list[tuple[str, str, str]]:
     """(run-name prefix, title, verdict) per panel: the paper's claims, the overlap suite's profiles, the decay
     suite's schedules, or for the other suites (the tuning sweeps) one panel with every run."""
-    verdict = {c["claim"]: "PASS" if c["passed"] else "FAIL" for c in report["claims"]}
+    verdict = {c["claim"]: "not run" if c["passed"] is None else "PASS" if c["passed"] else "FAIL"
+               for c in report["claims"]}
     if report["suite"].startswith("overlap"):
         return [(p, t, f"loss {verdict.get('loss-' + p, '?')}, speed {verdict.get('speed-' + p, '?')}")
                 for p, t in OVERLAP_PANELS]

@@ -93,9 +93,9 @@ class SimTrainer:
         # the wire form of what each worker sent this round (protocol/codec.py), what its partners receive and what
         # it mixes against; the sent tensors themselves without a codec
         self.codec = codec_parse(cfg.codec) if cfg.codec is not None else None
-        self.wire: dict = dict.fromkeys(range(k))   # i -> its wire form; (i, j): j's, as i decodes it (sparse)
+        self.wire: dict = dict.fromkeys(range(k))   # i -> its wire form; (i, j): j's, as i decodes it (seeded)
         self.rngs = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + i) for i in range(k)]
-        self.pair_seed = 0   # sparse codecs: counts mix rounds, for each pair's seed
+        self.pair_seed = 0   # seeded codecs: counts mix rounds, for each pair's seed
         self.guards = guards_for(cfg, data)
         self.guard_counts = {"accept": 0, "check": 0, "clip": 0, "reject": 0}
 
@@ -129,7 +129,7 @@ class SimTrainer:
         self.arrive(i)  # a mix that has not arrived yet is waited for (the engine's clock charges the wait)
         self.sent[i] = self.outers[i].outgoing(self.params[i])
         c = self.codec
-        self.wire[i] = self.sent[i] if c is None or c.lossless or c.sparse else [
+        self.wire[i] = self.sent[i] if c is None or c.lossless or c.seeded else [
             c.decode(c.encode(t, generator=self.rngs[i]), torch.empty_like(t)) for t in self.sent[i]]
         return sum(t.numel() for t in self.sent[i])
 
@@ -138,8 +138,8 @@ class SimTrainer:
         else the Metropolis weight 1/(1 + max(deg_i, deg_j)) - 1/2 for a plain pair (the pair mean), 1/3 where
         either side has two partners this round."""
         degree = {i: len(ps) for i, ps in partners.items()}
-        if self.codec is not None and self.codec.sparse:
-            self._sparse_wire(partners)
+        if self.codec is not None and self.codec.seeded:
+            self._seeded_wire(partners)
         for i, ps in partners.items():
             # symmetric mixing of the wire forms: z_i = y_i + sum_j w (Q(y_j) - Q(y_i)), the pair's mean exact for
             # any codec (protocol/averaging.py mix_pair_); `own` below is Q(y_i), y_i's rounding added back last
@@ -166,10 +166,10 @@ class SimTrainer:
         """What worker i's partners receive: its sent tensors without a (lossy) codec, else their wire form."""
         return self.sent[i] if self.codec is None or self.codec.lossless else self.wire[i]
 
-    def _sparse_wire(self, partners: Mapping[int, list[int]]) -> None:
-        """Seeded sparse averaging: each pair's blocks come from a seed both sides derive (a live exchange's
-        token); `wire[i]` becomes i's own wire form on them (its own tensors elsewhere) and `wire[(i, j)]` what i
-        decodes of j's payload, over wire[i]."""
+    def _seeded_wire(self, partners: Mapping[int, list[int]]) -> None:
+        """A seeded codec (sparse blocks, shared dither): each pair encodes with a seed both sides share (a live
+        exchange's reply carries it); `wire[i]` becomes i's own wire form (a sparse codec's: its own tensors where
+        no block was sent) and `wire[(i, j)]` what i decodes of j's payload (sparse: over wire[i])."""
         c, self.pair_seed = self.codec, self.pair_seed + 1
         for ps in partners.values():
             if len(ps) > 1:
@@ -182,11 +182,12 @@ class SimTrainer:
         for i, ps in partners.items():
             if ps:
                 seed, mine = payloads[i]
-                self.wire[i] = [c.decode(p, torch.empty_like(t), seed, fill=t) for p, t in zip(mine, self.sent[i])]
+                self.wire[i] = [c.decode(p, torch.empty_like(t), seed, fill=t if c.sparse else None)
+                                for p, t in zip(mine, self.sent[i])]
         for i, ps in partners.items():
             for j in ps:
                 seed, theirs = payloads[j]
-                self.wire[(i, j)] = [c.decode(p, torch.empty_like(t), seed, fill=t)
+                self.wire[(i, j)] = [c.decode(p, torch.empty_like(t), seed, fill=t if c.sparse else None)
                                      for p, t in zip(theirs, self.wire[i])]
 
     def _guarded(self, i: int, theirs: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:

@@ -3,8 +3,8 @@
 Protocol (initiator I, responder R), on a control stream plus n-1 extra streams ("lanes", see lanes.py):
 
     I -> R  ExchangeRequest header (fingerprint, codec, specs, total_bytes, n); nothing else until R answers
-    R -> I  ExchangeReply header: a Code; with OK, R's own codec, specs, a token and a seed (a sparse codec's
-            blocks)                                                               (I waits at most accept_timeout_s)
+    R -> I  ExchangeReply header: a Code; with OK, R's own codec, specs, a token and a seed (a seeded codec's
+            blocks or dither)                                                               (I waits at most accept_timeout_s)
     I -> R  n-1 lane streams, each presenting the token
     I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors
     I <-> R one verdict byte each on the control stream: OK, or why the partner's tensors were discarded
@@ -97,7 +97,7 @@ class ExchangeConfig(BaseModel):
                                     "responder for the request header")
     codec: str = Field(DEFAULT_CODEC, max_length=MAX_CODEC_CHARS, description="wire codec of what we send "
                        "(protocol/codec.py, docs/codecs.md): float32 (lossless), float16, bfloat16, or "
-                       "int<bits>[-b<block>][-p<pct>][-sr|-rn] (blockwise; -p: seeded sparse, partners must use the "
+                       "int<bits>[-b<block>][-p<pct>][-sr|-rn|-sd] (blockwise; -p: seeded sparse, partners must use the "
                        "same); partners may send in another codec, the state download is always lossless")
     max_message_bytes: int | None = Field(None, gt=0, description="cap on the payload a partner may declare; "
                                           "default: our own tensors at float32, the most a compatible peer sends")
@@ -306,9 +306,9 @@ class Exchanger:
                 log.warning("offer round=%s: dropped an uncollected successful incoming exchange with partner=%s "
                             "(call withdraw() at the end of each round)", round, dropped.partner)
         self._offer = offer = _Offer([t.detach().contiguous() for t in tensors], round)
-        if not self.codec.sparse:
+        if not self.codec.seeded:
             # encode now, in a worker thread while we search or wait: an exchange then starts with the payload ready
-            # instead of spending the encode on its own clock (a sparse codec waits for the exchange's seed)
+            # instead of spending the encode on its own clock (a seeded codec waits for the exchange's seed)
             try:
                 task = asyncio.get_running_loop().create_task(self._wire_tensors(offer, 0))
             except RuntimeError:   # no loop (a test's direct call): the first exchange encodes
@@ -544,7 +544,7 @@ class Exchanger:
         # accepted: from here until the finally, nobody else can engage us (no await between check and set)
         eng = self._engagement = _Engagement("responder", partner, asyncio.current_task())
         outcome, code, detail, tensors, own = Outcome.failed, None, "", None, None
-        seed = random.getrandbits(63)   # a sparse codec's blocks: ours to pick, both sides send the same ones
+        seed = random.getrandbits(63)   # a seeded codec's blocks or dither: ours to pick, both sides use it
         phase = "accept"
         channels = [ch]
         token, lane_waiters = self._lanes.expect(partner, request.streams)
@@ -588,10 +588,10 @@ class Exchanger:
         self._rates[partner] = max(r.bytes_sent, r.bytes_received) / max(r.seconds, 1e-6)
 
     async def _wire_tensors(self, offer: _Offer, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Our payload in our codec and our own wire form, encoded in a worker thread once per offer (a sparse
-        codec: once per exchange, its blocks picked by the exchange's seed)."""
+        """Our payload in our codec and our own wire form, encoded in a worker thread once per offer (a seeded
+        codec: once per exchange, its blocks or its dither drawn from the exchange's seed)."""
         async with self._encode_lock:
-            if offer.wire is None or self.codec.sparse:
+            if offer.wire is None or self.codec.seeded:
                 def encode():
                     wire = self.staging.encode(offer.tensors, seed)
                     return wire, self.staging.own_wire(wire, offer.tensors, seed)

@@ -1,7 +1,7 @@
 """The exchange's staging step: our offered tensors become wire bytes, the partner's wire bytes become tensors.
 
 It owns every buffer the pairwise exchange needs, so none is allocated per round once the first exchange has run:
-- send: our payload in our codec (protocol/codec.py), encoded once per offer (a sparse codec: once per exchange,
+- send: our payload in our codec (protocol/codec.py), encoded once per offer (a seeded codec: once per exchange,
   with the exchange's seed). Zero-copy where the codec is our tensors' own dtype on the CPU (a float32 model on a
   float32 wire sends its tensors' memory as is). Tensors on a GPU are copied to pinned host memory without blocking
   and waited for once, not per tensor.

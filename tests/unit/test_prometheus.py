@@ -36,7 +36,7 @@ def scrape(sink) -> dict[str, float]:
 
 
 def test_round_events_move_counters_gauges_and_histograms(sink):
-    sink.emit("start", peer_id="12D3KooWA", algorithm="gasloc", device="cpu", round=0)
+    sink.emit("start", peer_id="12D3KooWA", algorithm="gasloc", device="cpu", codec="int4", round=0)
     sink.emit("round", **_round())
     sink.emit("round", **_round(round=5, val_loss=2.4, outcome="rejected", code="NOT_FINITE", bytes_sent=0,
                                 bytes_received=0, consensus=None))
@@ -50,7 +50,7 @@ def test_round_events_move_counters_gauges_and_histograms(sink):
     assert m["gasloc_exchange_seconds_count[]"] == 2  # the solo round had no attempt: no exchange to time
     assert m["gasloc_partner_search_seconds_count[]"] == 3
     assert m["gasloc_consensus_distance[]"] == 0.05  # a null consensus left the last value
-    assert m["gasloc_peer_info[('algorithm', 'gasloc'), ('device', 'cpu'), ('peer_id', '12D3KooWA')]"] == 1
+    assert m["gasloc_peer_info[('algorithm', 'gasloc'), ('codec', 'int4'), ('device', 'cpu'), ('peer_id', '12D3KooWA')]"] == 1
     assert m["process_resident_memory_bytes[]"] > 0 and m["process_open_fds[]"] > 0
 
 

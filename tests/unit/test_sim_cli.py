@@ -243,3 +243,23 @@ def test_claim_b_fails_and_says_so_when_the_token_counts_differ():
     assert not ok and "token counts differ by more than 1%" in text
     ok, text = check({"g": run(1.03, 1_000_000), "d": run(1.0, 1_000_000)})
     assert not ok and "+3.00% (limit +2%)" in text
+
+
+@pytest.mark.timeout(120)
+def test_compare_codecs_smoke_suite_and_only_a_part_of_it(tmp_path):
+    """The codecs suite charges each codec's bytes and checks each against the fp32 wire, paired by seed; --only
+    runs a part of a suite, and a claim that reads a run left out says 'not run' instead of failing."""
+    out = tmp_path / "c.json"
+    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "codecs-smoke", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert list(report["runs"]) == ["float32-s0", "int4-s0", "int8-p10-s0"]
+    sent = {n: sum(r["bytes_sent_per_worker"]) for n, r in report["runs"].items()}
+    assert sent["int4-s0"] < sent["float32-s0"] / 6 and sent["int8-p10-s0"] < sent["float32-s0"] / 30, sent
+    assert [c["passed"] is not None for c in report["claims"]] == [True, True]
+    res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "codecs-smoke", "--only", "int4-*"])
+    assert res.exit_code == 0, res.output
+    assert "| int4-s0 |" in res.output and "| float32-s0 |" not in res.output
+    assert res.output.count("| not run |") == 2
+    one_line_error(CliRunner().invoke(cli, ["sim", "compare", "--suite", "codecs-smoke", "--only", "nope*"]),
+                   "matches no run")

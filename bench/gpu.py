@@ -47,6 +47,7 @@ def measure_preset(preset: str, args: dict, device: torch.device) -> dict:
     from gasloc.peer.train.memory import dry_run, num_params
     from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
     from gasloc.peer.train.outer import make_outer
+    from gasloc.peer.transport.staging import Staging
 
     cfg = PeerConfig.model_validate({"model": {"preset": preset, "seq_len": args["seq_len"],
                                                "compile": args["compile"]},
@@ -54,7 +55,7 @@ def measure_preset(preset: str, args: dict, device: torch.device) -> dict:
                                      "exchange": {"codec": args["codec"]}, "run": {"device": device.type}})
     vocab = args["vocab"]
     n = num_params(cfg.model, vocab)
-    peak = dry_run(cfg, vocab, device)  # the round's peak, as the peer's start-up check measures it
+    peak = dry_run(cfg, vocab, device, Staging)  # the round's peak, as the peer's start-up check measures it
     model = build_model(cfg.model, vocab).to(device)
     maybe_compile(model, cfg.model, device)
     opt = make_inner_optimizer(model, cfg.inner)
@@ -138,6 +139,7 @@ def time_staging(cfg, model, outer, device: torch.device) -> dict:
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
 def main(presets, device, batch_size, seq_len, vocab, codec, compile, steps, warmup, peak_tflops, json_out):
     from gasloc.peer.train.memory import DoesNotFit, check_fit, is_out_of_memory
+    from gasloc.peer.transport.staging import Staging
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -151,7 +153,7 @@ def main(presets, device, batch_size, seq_len, vocab, codec, compile, steps, war
         cfg = PeerConfig.model_validate({"model": {"preset": preset, "seq_len": seq_len},
                                          "data": {"batch_size": batch_size}, "exchange": {"codec": codec}})
         try:
-            check_fit(cfg, vocab, dev)  # the peer's own start-up check: what it would refuse, we do not run
+            check_fit(cfg, vocab, dev, Staging)  # the peer's own start-up check: what it would refuse, we do not run
             rows.append(measure_preset(preset, args, dev))
         except DoesNotFit as e:
             stopped = f"{preset}: {e}"

@@ -1,13 +1,14 @@
-"""`gasloc presets`: the model presets, their sizes and fp32 training memory."""
+"""`gasloc presets`: the model presets, their sizes and a round's peak memory (measured parameter copies)."""
 import click
 
 
 @click.command()
 def presets() -> None:
-    """List model presets with parameter counts and fp32 training memory."""
-    from gasloc.peer.train.model import preset_table
+    """List model presets with parameter counts and a round's peak memory (the measured parameter copies)."""
+    from gasloc.peer.train.model import MEASURED_ROUND_COPIES, preset_table
 
-    click.echo("| preset | dim | layers | heads (kv) | params, byte vocab | params, 32k vocab | fp32 train GB, 32k |")
+    click.echo("| preset | dim | layers | heads (kv) | params, byte vocab | params, 32k vocab | "
+               f"round peak GB, 32k ({MEASURED_ROUND_COPIES:g} copies) |")
     click.echo("|---|---|---|---|---|---|---|")
     def size(n: int) -> str:
         return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.0f}k"

@@ -39,10 +39,19 @@ from gasloc.peer.swarm.network import Network, PeerStatus
 from gasloc.peer.swarm.round_report import RoundExchange, relative_distance
 from gasloc.peer.train.data import build_data, evaluate, private_batches
 from gasloc.peer.train.inner import make_inner_optimizer, run_inner_phase
+from gasloc.peer.train.memory import (
+    DoesNotFit,
+    RoundPeak,
+    check_fit,
+    evaluate_with,
+    is_out_of_memory,
+    oom_refusal,
+    outgoing_specs,
+    write_oom_marker,
+)
 from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
-from gasloc.peer.train.memory import (DoesNotFit, RoundPeak, check_fit, evaluate_with, is_out_of_memory,
-                                      oom_refusal, outgoing_specs, write_oom_marker)
 from gasloc.peer.train.outer import make_outer, mix_applied_once
+from gasloc.peer.transport.staging import Staging
 from gasloc.protocol.averaging import group_mean_weight, mix_pair_
 from gasloc.protocol.decision import Decision, MixJudge
 from gasloc.protocol.donors import adopted_round, cross_check
@@ -212,7 +221,7 @@ class Peer:
 
         # one dry inner and outer step on a throwaway model: refuse now, in one line, what would run out of memory
         # mid-round (peer/train/memory.py); before the model exists, so the two never coexist
-        self.fit = check_fit(cfg, tok.vocab_size, self.device)
+        self.fit = check_fit(cfg, tok.vocab_size, self.device, staging=Staging)
         self._peak = RoundPeak(self.device)
         self.model = build_model(cfg.model, tok.vocab_size, seed=cfg.run.seed).to(self.device)
         maybe_compile(self.model, cfg.model, self.device)

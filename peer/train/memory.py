@@ -222,10 +222,12 @@ def estimate_bytes(model_cfg, vocab_size: int, batch_size: int, cuda: bool) -> i
 
 
 # ---------------------------------------------------------------------------------------------- the dry run
-def dry_run(cfg, vocab_size: int, device: torch.device) -> int:
+def dry_run(cfg, vocab_size: int, device: torch.device, staging=None) -> int:
     """One inner step after a warm-up step (AdamW's moments exist then) and one outer step with a mix and a
     partner's batch check, on a throwaway model of `cfg` (a PeerConfig); the peak bytes above what was in use
-    before. The same functions a round calls; nothing of the peer's own state is touched."""
+    before. The same functions a round calls; nothing of the peer's own state is touched. `staging`: the
+    exchange's buffer class (peer/transport/staging.py Staging, which the training side may not import: the
+    caller passes it); None: a lossless stand-in, one received copy."""
     from gasloc.peer.train.inner import inner_step_on_device, make_inner_optimizer
     from gasloc.peer.train.model import LlamaLM, autocast_for
     from gasloc.peer.train.outer import make_outer
@@ -248,7 +250,7 @@ def dry_run(cfg, vocab_size: int, device: torch.device) -> int:
     opt.zero_grad(set_to_none=True)  # as run_inner_phase does at the phase's end
     sent = outer.outgoing(params)
     if sent:
-        _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device)
+        _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device, staging)
     del sent
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -273,17 +275,21 @@ def release_freed_host_memory() -> None:
         pass
 
 
-def _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device) -> None:
+def _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device, staging_cls) -> None:
     """An exchange with ourselves through the exchange's own staging (peer/transport/staging.py: our payload, the
     decoded copy of our wire form, the partner's payload and its decoded tensors), then the daemon's steps: the
     received tensors on the device, a partner's batch check, the in-place symmetric mix, the outer step."""
-    from gasloc.peer.transport.staging import Staging
     from gasloc.protocol.averaging import group_mean_weight, mix_pair_
     from gasloc.protocol.codec import parse
     from gasloc.protocol.messages import TensorSpec
 
+    if staging_cls is None:
+        received = [t.detach().to("cpu", copy=True).to(device) for t in sent]
+        mixed = mix_pair_(received, sent, None, group_mean_weight(1))
+        outer.apply(params, mixed if cfg.outer.algorithm != "diloco" else received)
+        return
     codec = parse(cfg.exchange.codec)
-    staging = Staging([TensorSpec.of(tuple(t.shape), t.dtype) for t in sent], codec)
+    staging = staging_cls([TensorSpec.of(tuple(t.shape), t.dtype) for t in sent], codec)
     payload = staging.encode(sent, seed=0)
     own_wire = staging.own_wire(payload, sent, seed=0)
     bufs, out = staging.receive_buffers(codec)
@@ -319,8 +325,9 @@ class Fit:
         return self.need_bytes * FIT_MARGIN <= self.headroom.bytes
 
 
-def check_fit(cfg, vocab_size: int, device: torch.device) -> Fit:
-    """Estimate, then measure (dry_run); raise DoesNotFit with one line naming what fits, else return the Fit."""
+def check_fit(cfg, vocab_size: int, device: torch.device, staging=None) -> Fit:
+    """Estimate, then measure (dry_run, with the exchange's `staging` class); raise DoesNotFit with one line naming
+    what fits, else return the Fit."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     room = headroom(device, cfg.run.memory_limit_mb)
@@ -329,7 +336,7 @@ def check_fit(cfg, vocab_size: int, device: torch.device) -> Fit:
         raise DoesNotFit(_refusal(cfg, vocab_size, cuda, Fit(est, room, measured=False), scale=1.0))
     t0 = time.monotonic()
     try:
-        need = dry_run(cfg, vocab_size, device)
+        need = dry_run(cfg, vocab_size, device, staging)
     except Exception as e:  # noqa: BLE001 - only an OOM is an answer here; anything else propagates
         if not is_out_of_memory(e):
             raise

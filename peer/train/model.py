@@ -188,8 +188,16 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int = 0) -> LlamaLM:
         return LlamaLM(cfg, vocab_size)
 
 
+# What bench/host_memory.py measured for a live CPU peer's per-round peak (small -> medium, int4 codec, 2026-12-05:
+# 10.3 copies, of which the exchange's buffers 2.3; docs/gpu.md): the README's preset table and `gasloc presets`.
+MEASURED_ROUND_COPIES = 10.3
+
+
 def preset_table(vocab_sizes: tuple[int, ...] = (256, 32000)) -> list[dict]:
-    """Parameter counts and fp32 training memory (params + AdamW moments + two outer copies) per preset."""
+    """Parameter counts and a CPU peer's per-round peak memory per preset: the measured parameter copies
+    (MEASURED_ROUND_COPIES, bench/host_memory.py) x 4 bytes; the runtime's ~0.5 GB and activations come on
+    top."""
+
     rows = []
     for name, p in PRESETS.items():
         row = {"preset": name, **asdict(p)}
@@ -198,7 +206,7 @@ def preset_table(vocab_sizes: tuple[int, ...] = (256, 32000)) -> list[dict]:
                 + 2 * p.dim
             n = p.n_layers * per_layer + v * p.dim * (1 if p.tie_embeddings else 2) + p.dim
             row[f"params_vocab{v}"] = n
-            row[f"train_mem_gb_vocab{v}"] = round(n * 4 * 5 / 1e9, 2)  # theta, m, v, anchor, outer momentum
+            row[f"train_mem_gb_vocab{v}"] = round(n * 4 * MEASURED_ROUND_COPIES / 1e9, 2)
         rows.append(row)
     return rows
 

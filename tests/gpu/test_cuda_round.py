@@ -35,7 +35,7 @@ def cfg_for(codec: str) -> PeerConfig:
 def test_one_full_round_of_tiny_on_cuda(codec, tmp_path):
     dev = torch.device("cuda")
     cfg = cfg_for(codec)
-    fit = check_fit(cfg, VOCAB, dev)  # the start-up check: measured on the device, and it fits
+    fit = check_fit(cfg, VOCAB, dev, Staging)  # the start-up check: measured on the device, and it fits
     assert fit.ok and fit.measured
     model = build_model(cfg.model, VOCAB).to(dev)
     maybe_compile(model, cfg.model, dev)

@@ -8,11 +8,26 @@ import torch
 
 from gasloc.peer.config import PeerConfig
 from gasloc.peer.train.data import evaluate
-from gasloc.peer.train.memory import (DoesNotFit, Fit, Headroom, RoundPeak, _refusal, check_fit, dry_run,
-                                      estimate_bytes, evaluate_with, is_out_of_memory, num_params, oom_refusal,
-                                      outgoing_specs, suggestion, write_oom_marker)
+from gasloc.peer.train.memory import (
+    DoesNotFit,
+    Fit,
+    Headroom,
+    RoundPeak,
+    _refusal,
+    check_fit,
+    dry_run,
+    estimate_bytes,
+    evaluate_with,
+    is_out_of_memory,
+    num_params,
+    oom_refusal,
+    outgoing_specs,
+    suggestion,
+    write_oom_marker,
+)
 from gasloc.peer.train.model import ModelConfig, build_model
 from gasloc.peer.train.outer import OuterConfig, make_outer
+from gasloc.peer.transport.staging import Staging
 
 
 def cfg_of(**over) -> PeerConfig:
@@ -61,8 +76,8 @@ def test_the_dry_run_measures_a_round_in_a_handful_of_parameter_copies():
     six of the inner phase and the outer step's estimate plus activations (the bench measures it precisely)."""
     cfg = cfg_of()
     n4 = 4 * num_params(cfg.model, 256)
-    dry_run(cfg, 256, torch.device("cpu"))  # first one: the runtime's one-time allocations
-    copies = dry_run(cfg, 256, torch.device("cpu")) / n4
+    dry_run(cfg, 256, torch.device("cpu"), Staging)  # first one: the runtime's one-time allocations
+    copies = dry_run(cfg, 256, torch.device("cpu"), Staging) / n4
     assert 5 <= copies <= estimate_bytes(cfg.model, 256, 2, False) / n4 + 2, copies
 
 

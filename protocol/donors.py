@@ -37,10 +37,12 @@ def _same_int(value: Any, expected: int) -> bool:
     return type(value) is int and value == expected     # not a bool, a float, a str: JSON says what it means
 
 
-def check_metadata(metadata: Any, *, reply_round: int, num_outer: int, donor: str) -> tuple[Code, str]:
+def check_metadata(metadata: Any, *, reply_round: int, num_outer: int, donor: str,
+                   max_round: int | None = None) -> tuple[Code, str]:
     """Whether a donor's reply metadata is consistent with its header and with who sent it: (Code.OK, "") or a code
     and why. `reply_round` and `num_outer` are the reply header's fields (already ints >= 0), `donor` the stream's
-    remote peer id."""
+    remote peer id, `max_round` the most we believe of its round (protocol/claims.py; None: no bound): a donor
+    that claims more lies about one thing at least, and its state is not taken."""
     if not isinstance(metadata, Mapping):
         return Code.BAD_HEADER, f"metadata is a {type(metadata).__name__}, not an object"
     if type(reply_round) is not int or reply_round < 0:
@@ -52,6 +54,8 @@ def check_metadata(metadata: Any, *, reply_round: int, num_outer: int, donor: st
                                  f"{num_outer}")
     if "peer_id" in metadata and metadata["peer_id"] != donor:
         return Code.DISTRUSTED, f"claims to be {_short(metadata['peer_id'])}, but the stream is from {donor}"
+    if max_round is not None and reply_round > max_round:
+        return Code.DISTRUSTED, f"claims round {reply_round}, past the {max_round} we believe it can have reached"
     return Code.OK, ""
 
 
@@ -61,12 +65,16 @@ def _short(value: Any) -> str:
 
 
 def pick_donors(believed_rounds: Mapping[str, int], states: Mapping[str, str], tenure_s: Mapping[str, float], *,
-                pool: int, rng: random.Random, exclude: Collection[str] = ()) -> list[str]:
+                pool: int, rng: random.Random, exclude: Collection[str] = (),
+                claimed_rounds: Mapping[str, int] | None = None) -> list[str]:
     """Donor candidates in the order to try them. `believed_rounds`: peer -> its round as far as we believe it
-    (RoundClaims); `states`: peer -> announced state; `tenure_s`: peer -> how long we have seen it (absent: 0).
-    Longest-seen first, ties in random order; one of the `pool` longest-seen goes first at random."""
+    (RoundClaims); `states`: peer -> announced state; `tenure_s`: peer -> how long we have seen it (absent: 0);
+    `claimed_rounds`: what they announce: a peer that claims more than we believe is no donor (it lies about its
+    round, and what else is then not ours to find out on our model). Longest-seen first, ties in random order; one
+    of the `pool` longest-seen goes first at random."""
+    claimed = claimed_rounds or {}
     cands = [p for p, r in believed_rounds.items()
-             if r > 0 and states.get(p) != "joining" and p not in exclude]
+             if r > 0 and states.get(p) != "joining" and p not in exclude and claimed.get(p, r) <= r]
     rng.shuffle(cands)                                           # ties: random
     cands.sort(key=lambda p: -tenure_s.get(p, 0.0))              # stable: keeps the shuffle among ties
     top = cands[:pool]

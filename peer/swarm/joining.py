@@ -97,9 +97,12 @@ class Joining:
         # by claim were a Sybil's for the asking (round 10^9). A donor that fails (dies mid-transfer, busy,
         # garbage, lying metadata) is skipped for the next.
         skip = self.uncallable()
+        # a peer that announces a round past what we believe of it (protocol/claims.py) lies, and is no donor; one
+        # whose reply claims more than that is refused before its payload is read
         believed = {p: r for p, r in self.believed_rounds().items() if p not in skip}
         donors = pick_donors(believed, {p: r.state for p, r in live.items()}, self.tenure(),
-                             pool=self.cfg.swarm.join_donor_pool, rng=random.Random(), exclude=exclude)
+                             pool=self.cfg.swarm.join_donor_pool, rng=random.Random(), exclude=exclude,
+                             claimed_rounds={p: r.round for p, r in live.items()})
         if not donors:
             log.info("join: no live peer has trained yet; starting from the seed model")
             return None
@@ -108,7 +111,8 @@ class Joining:
         log.info("join: downloading state, candidate donors=%d", len(donors))
         coro = download_state(self.p2p, [PeerID.from_base58(d) for d in donors], specs, self.fingerprint,
                               self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs,
-                              swarm_key=self.swarm_key, hints_in=self.heard, member=self.member_out())
+                              swarm_key=self.swarm_key, hints_in=self.heard, member=self.member_out(),
+                              round_caps=believed)
         try:
             metadata, tensors = self.aio.run(coro, self.cfg.swarm.join_timeout_s)
         except TimeoutError:

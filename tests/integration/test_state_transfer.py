@@ -198,6 +198,10 @@ def test_a_donor_lying_in_its_metadata_is_a_status_code_and_the_next_donor_serve
             await s.stop()
             honest = server(good, params, {"round": 12, "run": "r1"})     # no peer_id: the stream says who
             await honest.start()
+            # consistent, but past what the joiner believes of this donor: refused before the payload
+            with pytest.raises(StateDownloadError, match="DISTRUSTED"):
+                await download_state(joiner, [good.peer_id], SPECS, FP, CFG, NS,
+                                     round_caps={good.peer_id.to_base58(): 11})
             queue.append(({"round": "soon"}, 3, ""))
             meta, got = await download_state(joiner, [liar.peer_id, good.peer_id], SPECS, FP, CFG, NS)
             assert meta["peer_id"] == good.peer_id.to_base58() and meta["round"] == 12

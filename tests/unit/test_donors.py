@@ -78,3 +78,17 @@ def test_the_adopted_round_is_the_lowest_checked_one_cut_to_what_we_believe():
     assert adopted_round([10**9], 15) == 15          # a liar moves the lr schedule at most to the cap
     assert adopted_round([12], 15) == 12
     assert adopted_round([3], -4) == 0
+
+
+def test_a_donor_claiming_past_what_we_believe_is_no_donor():
+    """H5's adversary bench (donor-round: a peer that trains honestly but announces and replies round 10^9, header
+    and metadata alike) had its state adopted 4 times in one run: consistent lies pass every format check. Past
+    what we believe of it, its reply is refused, and its listing keeps it out of the donor order."""
+    assert check_metadata({"round": 10**9}, reply_round=10**9, num_outer=0, donor="QmD", max_round=30)[0] \
+        == Code.DISTRUSTED
+    assert check_metadata({}, reply_round=30, num_outer=0, donor="QmD", max_round=30)[0] == Code.OK
+    believed = {"h1": 20, "liar": 25}
+    states = dict.fromkeys(believed, "training")
+    order = pick_donors(believed, states, {}, pool=3, rng=random.Random(0),
+                        claimed_rounds={"h1": 20, "liar": 10**9})
+    assert order == ["h1"]

@@ -89,7 +89,8 @@ def test_donors_come_in_order_of_tenure_and_claims_past_the_swarm_are_cut(clock)
         assert net.download_state([torch.zeros(2)], _Outer()) is None
     finally:
         st.download_state = real
-    assert order and order[-1] == "Syb" and set(order[:3]) == {"hA", "hB", "hC"}
+    # the peer claiming past what we believe is no donor at all (it lies about its round)
+    assert sorted(order) == ["hA", "hB", "hC"]
 
 
 class _Outer:

@@ -29,7 +29,7 @@ Runs, one after another, each with a fresh bootstrap and fresh peers for the sam
 Schedule, as a user runs either method: the same tokens per peer per round (H inner steps of the same batch) and
 the inner lr decayed by a cosine to 0.1 of its peak over the run. A run's length is wall-clock here, so each
 algorithm's decay spans the rounds its typical peer does in --duration-s: --decay-rounds (per 180 s; defaults from
-the invocations in docs/hetero-results.md: DiLoCo 6 rounds, GASLoC and gossip 15), scaled with the duration. The
+invocation H1 in docs/hetero-results.md: DiLoCo 18 rounds, GASLoC and gossip 48), scaled with the duration. The
 lr follows the swarm's position (round x H; a joiner takes over the round), and stays at 0.1 past the end.
 
 The swarm's mean validation loss at time t is the mean over peers of each peer's latest val_loss at or before t
@@ -76,10 +76,11 @@ RUNS = {  # name -> (outer.algorithm, bandwidth-aware (None: not applicable), fu
     "gasloc-bw-m09-k0": ("gasloc", True, {"outer.momentum": "0.9", "outer.mix_momentum": "0"}),
 }
 DEFAULT_RUNS = ("gasloc-bw", "gasloc", "diloco")
-# Rounds per 180 s over which each algorithm's inner lr decays (module docstring): its typical peer's rounds in the
-# invocations of docs/hetero-results.md (GASLoC: fast peers 15-29, slow ones 10-11; DiLoCo of the whole swarm: a
-# 6-peer all-reduce of ~24 s, 5 s of matchmaking and ~2.5 s of compute a round)
-DECAY_ROUNDS = "diloco=6,gasloc=15,gossip=15"
+# Rounds per 180 s over which each algorithm's inner lr decays (module docstring): its peers' rounds in invocation H1
+# of docs/hetero-results.md (2026-12-05, the default codecs: GASLoC int4 46-53 rounds, DiLoCo uint8 18, every
+# all-reduce all six). H1 itself decayed over 15 and 6 (estimates from the fp32 runs before): both sat at the floor
+# for most of the run
+DECAY_ROUNDS = "diloco=18,gasloc=48,gossip=48"
 
 # Hyperparameters shared by every run (the [outer] defaults of each algorithm apply). Timeouts are raised so that
 # a slow link finishes its transfer: 3.5 MB at 3 Mbit takes 9.3 s for a pair, and an all-reduce part shares the

@@ -253,13 +253,15 @@ def test_compare_codecs_smoke_suite_and_only_a_part_of_it(tmp_path):
     res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "codecs-smoke", "--json", str(out)])
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
-    assert list(report["runs"]) == ["float32-s0", "int4-s0", "int8-p10-s0"]
+    assert list(report["runs"]) == ["float32-s0", "int4-s0", "int8-p10-s0", "c-diloco", "c-gasloc-float32",
+                                    "c-gasloc-int4", "c-gasloc-int8-p10"]
     sent = {n: sum(r["bytes_sent_per_worker"]) for n, r in report["runs"].items()}
     assert sent["int4-s0"] < sent["float32-s0"] / 6 and sent["int8-p10-s0"] < sent["float32-s0"] / 30, sent
-    assert [c["passed"] is not None for c in report["claims"]] == [True, True]
+    assert [c["claim"] for c in report["claims"]] == ["int4", "int8-p10", "c-float32", "c-int4", "c-int8-p10"]
+    assert all(c["passed"] is not None for c in report["claims"])
     res = CliRunner().invoke(cli, ["sim", "compare", "--suite", "codecs-smoke", "--only", "int4-*"])
     assert res.exit_code == 0, res.output
     assert "| int4-s0 |" in res.output and "| float32-s0 |" not in res.output
-    assert res.output.count("| not run |") == 2
+    assert res.output.count("| not run |") == 5
     one_line_error(CliRunner().invoke(cli, ["sim", "compare", "--suite", "codecs-smoke", "--only", "nope*"]),
                    "matches no run")

@@ -60,6 +60,7 @@ class BatchedTrainer(SimTrainer):
         self.overlap = False
         self.late = [None] * k
         self.carry = [True] * k
+        self._init_wire(cfg)   # no codec: SimConfig refuses one with batched
         self.guards = guards_for(cfg, self.data)
         self.guard_counts = {"accept": 0, "check": 0, "clip": 0, "reject": 0}
         self.planned: dict[int, int] = {}   # worker -> steps of the phase it started and that has not run yet

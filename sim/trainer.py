@@ -90,12 +90,7 @@ class SimTrainer:
         self.overlap = cfg.outer.overlap
         self.late: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None] = [None] * k  # overlap: (sent, mixed)
         self.carry = [True] * k  # this round's mix correction gets outer momentum (protocol/decision.py momentum)
-        # the wire form of what each worker sent this round (protocol/codec.py), what its partners receive and what
-        # it mixes against; the sent tensors themselves without a codec
-        self.codec = codec_parse(cfg.codec) if cfg.codec is not None else None
-        self.wire: dict = dict.fromkeys(range(k))   # i -> its wire form; (i, j): j's, as i decodes it (seeded)
-        self.rngs = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + i) for i in range(k)]
-        self.pair_seed = 0   # seeded codecs: counts mix rounds, for each pair's seed
+        self._init_wire(cfg)
         self.guards = guards_for(cfg, data)
         self.guard_counts = {"accept": 0, "check": 0, "clip": 0, "reject": 0}
 
@@ -161,6 +156,14 @@ class SimTrainer:
             if own is not self.sent[i]:
                 torch._foreach_add_(parts[0], torch._foreach_sub(self.sent[i], own))
             self.mixed[i] = parts[0]
+
+    def _init_wire(self, cfg: SimConfig) -> None:
+        """The wire form of what each worker sent this round (protocol/codec.py), what its partners receive and
+        what it mixes against; the sent tensors themselves without a codec."""
+        self.codec = codec_parse(cfg.codec) if cfg.codec is not None else None
+        self.wire: dict = dict.fromkeys(range(cfg.workers))   # i -> its wire form; (i, j): j's, as i decodes it
+        self.rngs = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + i) for i in range(cfg.workers)]
+        self.pair_seed = 0   # seeded codecs: counts mix rounds, for each pair's seed
 
     def _wire_of(self, i: int) -> list[torch.Tensor]:
         """What worker i's partners receive: its sent tensors without a (lossy) codec, else their wire form."""

@@ -88,10 +88,6 @@ def test_honest_peers_hold_against_hostile_volunteers(harness):
     assert not problems, problems
 
 
-@pytest.mark.xfail(strict=True, reason="open (issue 29, claims): a lone donor whose record claims a round 1000 "
-                   "ahead is believed at first sight (the median of a one-record listing), so every joiner adopts its "
-                   "state at round ~1012 (first run, 2026-12-05 01:27 UTC: 4 of 4 joiners); strict, so the fix "
-                   "turns this red until the marker goes")
 @pytest.mark.timeout(600)
 def test_no_honest_joiner_adopts_a_lying_donors_state(harness):
     """A donor that started first is the only peer claiming a round > 0, so all four honest peers start as its
@@ -104,6 +100,7 @@ def test_no_honest_joiner_adopts_a_lying_donors_state(harness):
           f"{row['adopted_rounds']}; crashes {row['crashes']}; honest median val loss {row['val']:.4f}")
     assert row["hostile_served"] >= 1, "no honest joiner asked the lying donor for its state"
     assert not row["crashes"], row
+    # before "a donor that claims past what we believe is no donor" (a258c9c), 4 of 4 joiners adopted it at round 1012
     assert not row["adopted"], row
 
 

@@ -350,7 +350,7 @@ class Peer:
             for p, t in zip(self.params, params):
                 p.copy_(t)
         self._adopt_outer(outer_of.get(donor, []))
-        believed = self.net.believed_rounds().get(donor)
+        believed = self.net.round_caps().get(donor)   # the most we believe it can have reached by now
         # DiLoCo: the round is the epoch of the adopted anchor itself (the other donor's would key our next group to
         # an epoch our model is not at)
         taken = [r for d, r, _, _ in states if self.outer.solo_steps or d == donor]

@@ -112,7 +112,7 @@ class Joining:
         coro = download_state(self.p2p, [PeerID.from_base58(d) for d in donors], specs, self.fingerprint,
                               self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs,
                               swarm_key=self.swarm_key, hints_in=self.heard, member=self.member_out(),
-                              round_caps=believed)
+                              round_caps=self.round_caps())
         try:
             metadata, tensors = self.aio.run(coro, self.cfg.swarm.join_timeout_s)
         except TimeoutError:

@@ -471,6 +471,13 @@ class Network(Reachability, Joining):
         return self.claims.believed({p: r.round for p, r in self.live.items() if r.state != "joining"}, s.round,
                                     time.monotonic(), s.view.get("round_s"))
 
+    def round_caps(self) -> dict[str, int]:
+        """Listed peers past joining -> the highest round we believe each can have reached by now: the bound a
+        donor's reply is held to (its listed claim may be a round or two old by the time it answers)."""
+        s = self.status()
+        return self.claims.believed({p: 2**62 for p, r in self.live.items() if r.state != "joining"}, s.round,
+                                    time.monotonic(), s.view.get("round_s"))
+
     def tenure(self) -> dict[str, float]:
         """Listed peers -> how long (s) we have seen them live: our own observation, not a claim."""
         now = time.monotonic()

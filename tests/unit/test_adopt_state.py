@@ -33,6 +33,9 @@ class _Net:
     def believed_rounds(self):
         return dict(self.believed)
 
+    def round_caps(self):
+        return dict(self.believed)
+
 
 def _peer(donors, believed, **swarm) -> Peer:
     cfg = PeerConfig.model_validate({"model": {"preset": "tiny", "seq_len": 32}, "data": {"batch_size": 4},

@@ -178,6 +178,7 @@ class Worker:
         elif method == "gasloc":
             await st["ex"].withdraw()
             st["ex"].offer(st["own"], round=0)
+            await st["ex"].encoded()   # as a live peer's offer is encoded while it searches: the exchange is timed
             if self.role == "a":
                 st["pending"] = asyncio.ensure_future(st["ex"].wait_incoming(3600))
         elif method == "hivemind_averager":

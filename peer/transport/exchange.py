@@ -316,6 +316,12 @@ class Exchanger:
             self._prep.add(task)
             task.add_done_callback(self._prep.discard)
 
+    async def encoded(self) -> None:
+        """Wait until the offer's payload is encoded (at once when it is, or when a seeded codec encodes per
+        exchange). A live peer searches meanwhile; the transport bench waits here so that it times the exchange."""
+        if self._prep:
+            await asyncio.wait(list(self._prep))
+
     async def withdraw(self) -> list[ExchangeResult]:
         """End of round: stop accepting and return the incoming results not collected with wait_incoming (an ok one
         means the partner mixed with us, so use it). An incoming exchange in flight is cancelled if our verdict

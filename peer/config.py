@@ -191,8 +191,8 @@ class DilocoConfig(_Section):
                                            "unset: 1e-4 with compression none, 1e-2 float16, 5e-2 uint8")
     compression: Literal["auto", "none", "float16", "uint8"] = Field(
         "auto", description="hivemind.compression of the all-reduce: none (fp32), float16, uint8 (uniform 8-bit); "
-        "auto: the closest to exchange.codec (float32 -> none, float16 or bfloat16 -> float16, int8 and narrower "
-        "-> uint8: hivemind has no narrower codec without bitsandbytes). A lossy one leaves members' models apart "
+        "auto: the closest to exchange.codec that keeps one model (float32 -> none; float16, bfloat16, int8 and "
+        "narrower -> float16: uint8 leaves members' anchors walking apart ~1.5e-3 a step). A lossy one leaves members' models apart "
         "by its rounding after each step (peer/swarm/diloco.py)")
 
     @model_validator(mode="after")

@@ -176,7 +176,7 @@ class Worker:
         self.via = dict(via)    # this row's routes only: a row before it may have routed the same peer otherwise
         g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
         own = [torch.randn(*s, generator=g) for s in specs]
-        ex = Exchanger(ExchangeConfig(exchange_timeout_s=300, accept_timeout_s=30), self.routed,
+        ex = Exchanger(ExchangeConfig(exchange_timeout_s=300, accept_timeout_s=30, codec="float32"), self.routed,
                        specs=[(tuple(s), torch.float32) for s in specs], fingerprint="bench",
                        is_member=lambda peer: True, namespace=f"{NS}{key}")
         await ex.start()

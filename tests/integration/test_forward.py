@@ -63,7 +63,8 @@ def test_exchange_through_a_forwarder_is_bit_exact_and_counted():
             sb.keep_attached([str(r.peer_id)], want=1)
             await until(lambda: str(b.peer_id) in sr.attached_peers)
             assert sb.via == [str(r.peer_id)]
-            cfg = ExchangeConfig(exchange_timeout_s=10, min_stream_bytes=100_000)   # several lanes, all forwarded
+            # several lanes, all forwarded; the lossless codec, so that bit-exact means the forwarder changed nothing
+            cfg = ExchangeConfig(exchange_timeout_s=10, min_stream_bytes=100_000, codec="float32")
             ea = Exchanger(cfg, ra, specs=[(s, torch.float32) for s in SHAPES], fingerprint=FP,
                            is_member=lambda p: str(p) in ids, namespace=NS)
             eb = Exchanger(cfg, rb, specs=[(s, torch.float32) for s in SHAPES], fingerprint=FP,

@@ -31,6 +31,9 @@ class _Net:
     def believed_rounds(self):
         return {self.state[0]: self.state[1]}
 
+    def round_caps(self):   # the highest round we believe the donor can have reached: its own, here
+        return {self.state[0]: self.state[1]}
+
 
 def _peer(algorithm: str) -> Peer:
     cfg = PeerConfig.model_validate({"model": {"preset": "tiny", "seq_len": 32}, "data": {"batch_size": 4},

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from e2e.harness import free_port
 from e2e.swarm_helpers import RUN_ID, rounds, start_event, start_peers, write_config
 from gasloc.cli.statusview import short
+from gasloc.protocol.codec import DEFAULT_CODEC
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -82,7 +83,7 @@ def test_metrics_status_and_live_page_of_a_four_peer_swarm(harness, bootstrap, t
     assert after.get("gasloc_exchange_outcomes_total{code=,outcome=ok}", 0) >= 1, after
     assert after["gasloc_exchange_seconds_count"] >= 1 and after["gasloc_train_loss"] > 0
     assert after["process_resident_memory_bytes"] > 10e6 and after["process_open_fds"] > 3
-    assert after[f"gasloc_peer_info{{algorithm=gasloc,device=cpu,peer_id={ids['p0']}}}"] == 1
+    assert after[f"gasloc_peer_info{{algorithm=gasloc,codec={DEFAULT_CODEC},device=cpu,peer_id={ids['p0']}}}"] == 1
     # p2pd's own libp2p metrics, behind metrics.p2pd_port
     with urllib.request.urlopen(f"http://127.0.0.1:{p2pd_port}/metrics", timeout=10) as r:
         assert b"libp2p_" in r.read()

@@ -43,6 +43,7 @@ from gasloc.peer.train.memory import (
     DoesNotFit,
     RoundPeak,
     check_fit,
+    compact_host_heap,
     evaluate_with,
     is_out_of_memory,
     oom_refusal,
@@ -204,6 +205,8 @@ class Peer:
         self.device = pick_device(cfg.run.device)
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
+        if self.device.type == "cpu":  # before the dry run and the model: large tensors in mappings of their own
+            compact_host_heap()
         refusal = oom_refusal(self.run_dir, cfg, self.device)  # before anything starts: no crash loop
         if refusal is not None:
             raise DoesNotFit(refusal)
@@ -285,8 +288,9 @@ class Peer:
                                    set_state=self._set_state, anchor=lambda: self.outer.anchor,
                                    serve=lambda: self.net.round_boundary(self._anchor_snapshot))
         from gasloc.peer.swarm.gossip import GossipAveraging
+        # a CPU peer hands the exchange's buffers back between rounds: the inner phase's gradients reuse that memory
         return GossipAveraging(self.cfg, self.net, stopping=self.stopping, set_state=self._set_state,
-                               own_link=lambda: self.bandwidth_bps)
+                               own_link=lambda: self.bandwidth_bps, keep_buffers=self.device.type != "cpu")
 
     def _resume_or_join(self) -> str | None:
         """Resume beats downloading: a checkpoint holds this peer's own inner-optimizer state and data position."""
@@ -556,7 +560,9 @@ class Peer:
         if phase is None or self._dropped_if_cut(phase, start) or self._maybe_resync():
             return
         eval_due = self._eval_due()
-        sent = self.outer.outgoing(self.params)
+        # y in the parameters' own storage (one copy less at the peak): nothing reads theta again before apply
+        # writes the new one; a round that fails before apply writes no checkpoint (_shutdown: not at a boundary)
+        sent = self.outer.outgoing(self.params, in_place=True)
         ex, consensus, outer_s = self._exchange_and_apply(sent)
         if self.outer.solo_steps or ex.ok:
             self._finish_round()

@@ -54,8 +54,11 @@ class Background:
 
 class GossipAveraging:
     def __init__(self, cfg, net, *, stopping, set_state: Callable[[str], None],
-                 own_link: Callable[[], float] = lambda: 0.0):
+                 own_link: Callable[[], float] = lambda: 0.0, keep_buffers: bool = True):
         self.cfg, self.net, self.stopping, self.set_state = cfg, net, stopping, set_state
+        # False (a CPU peer): the exchange's buffers are dropped after each search and the received tensors are not
+        # recycled, so between exchanges the memory (2.5 parameter copies with int8) serves the inner phase
+        self.keep_buffers = keep_buffers
         self.own_link = own_link     # our link's estimated bytes/s (0: not measured yet)
         sw = cfg.swarm
         rules = SearchRules(partner_deadline_s=sw.partner_deadline_s, retry_interval_s=sw.retry_interval_s,
@@ -101,7 +104,7 @@ class GossipAveraging:
         """Hand an ok exchange's received tensors back to the Exchanger once they are mixed in, so the next exchange
         receives into them instead of fresh memory. The caller reads ex.received no more (it stays set: ex.ok and
         the round's metrics depend on it)."""
-        if ex.ok and ex.kind == "pair":
+        if ex.ok and ex.kind == "pair" and self.keep_buffers:
             # on the loop: the Exchanger's spare buffers are the loop's (an exchange may be starting there)
             self.net.aio.loop.call_soon_threadsafe(self.exchanger.recycle, list(ex.received))
 
@@ -201,6 +204,9 @@ class GossipAveraging:
                     self._take(res, report)
             if cut is not None:
                 self.set_state("training")  # the search is over; our inner steps are running
+            if not self.keep_buffers:
+                await ex.encoded()        # an encode of this offer still running would allocate them again
+                ex.staging.release()      # the report holds what the daemon still reads (received, own wire)
         report.wait_s = time.monotonic() - t0 - report.transfer_s
         report.passed_over = len(search.passed)
         return report

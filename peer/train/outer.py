@@ -143,7 +143,10 @@ class OuterUpdate:
     def _reset_state(self, params: Sequence[torch.Tensor]) -> None:
         pass
 
-    def outgoing(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def outgoing(self, params: Sequence[torch.Tensor], in_place: bool = False) -> list[torch.Tensor]:
+        """What this worker sends. `in_place`: the caller lets this write into `params` (their value is not
+        needed again before `apply`, which overwrites them) to save a parameter-sized copy; an algorithm may
+        ignore it. Not with overlap: there `sent` must outlive the next inner phase."""
         raise NotImplementedError
 
     def apply(self, params: Sequence[torch.Tensor], mixed: Sequence[torch.Tensor]) -> None:
@@ -200,19 +203,25 @@ class GASLoC(OuterUpdate):
             self.y_prev = _clone(params)
 
     @torch.no_grad()
-    def _y(self, params) -> list[torch.Tensor]:
-        # y = anchor + eta (theta - anchor)
-        y = torch._foreach_sub(list(params), self.anchor)
+    def _y(self, params, in_place: bool = False) -> list[torch.Tensor]:
+        # y = anchor + eta (theta - anchor); in place: the same operations in the same order, so the same bits
+        if in_place:
+            y = [p.detach() for p in params]
+            torch._foreach_sub_(y, self.anchor)
+        else:
+            y = torch._foreach_sub(list(params), self.anchor)
         torch._foreach_mul_(y, self.eta)
         torch._foreach_add_(y, self.anchor)
         return y
 
     @torch.no_grad()
-    def outgoing(self, params):
-        """What this worker sends: y (A, C) or u (B), as new tensors that `apply` and `late_mix` only read, so they
+    def outgoing(self, params, in_place: bool = False):
+        """What this worker sends: y (A, C) or u (B), as tensors that `apply` and `late_mix` only read, so they
         stay valid as the exchange's send buffer and, with overlap, until the late mix. Forms A and C allocate
-        this one copy and nothing else."""
-        y = self._y(params)
+        this one copy and nothing else; with `in_place` (a plain round: theta is not read again before `apply`
+        writes the new one) y is built in the parameters' own storage and A and C allocate nothing: one
+        parameter copy less at the round's peak. `sent` is then the parameters, valid until `apply`."""
+        y = self._y(params, in_place)
         self._y_sent = y
         if self.cfg.form == "B":
             # u = y + gamma (y - y_prev)
@@ -228,7 +237,9 @@ class GASLoC(OuterUpdate):
         y_prev), whose old value is read only there, and the anchor's buffer (free once y is sent) takes the value
         the momentum buffer keeps. `mixed` and y (outgoing's tensors) are only read; `mixed` may be `sent` itself
         (a solo round). Bit for bit the values of the allocating form: z - z_prev is computed as
-        -(z_prev - z) and scaled by -gamma, which is exact in IEEE arithmetic (tests/golden/outer-*.json)."""
+        -(z_prev - z) and scaled by -gamma, which is exact in IEEE arithmetic (tests/golden/outer-*.json).
+        y may be the parameters themselves (outgoing's `in_place`): it is read only before the last line writes
+        params."""
         y, mixed = self._y_sent, list(mixed)
         form, anchor = self.cfg.form, self.anchor
         if form == "B":  # theta = mix(u); y_prev = y
@@ -298,7 +309,7 @@ class DiLoCo(OuterUpdate):
         torch._foreach_copy_(list(params), self.anchor)
 
     @torch.no_grad()
-    def outgoing(self, params):
+    def outgoing(self, params, in_place: bool = False):
         return torch._foreach_sub(self.anchor, list(params))
 
     @torch.no_grad()
@@ -323,7 +334,7 @@ class NoLoCo(OuterUpdate):
         self.m = [torch.zeros_like(p) for p in params]
 
     @torch.no_grad()
-    def outgoing(self, params):
+    def outgoing(self, params, in_place: bool = False):
         return _clone(self.anchor) + list(torch._foreach_sub(list(params), self.anchor))
 
     @torch.no_grad()
@@ -339,7 +350,7 @@ class NoLoCo(OuterUpdate):
 class Local(OuterUpdate):
     """No communication at all: the floor every method must beat. Sends nothing, changes nothing."""
 
-    def outgoing(self, params):
+    def outgoing(self, params, in_place: bool = False):
         return []
 
     def apply(self, params, mixed):

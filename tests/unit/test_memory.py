@@ -3,6 +3,10 @@ in parameter copies, the refusal line and what it suggests, and the out-of-memor
 loop."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -126,3 +130,61 @@ def test_doctor_uses_the_same_estimate_and_names_what_fits(tmp_path):
     assert f"{need / 1e6:.0f} MB" in c.detail
     cfg.write_text('[model]\npreset = "micro"\n[run]\ndevice = "cpu"\n')
     assert check_memory(cfg).status == "OK"
+
+
+FREED_BIG_TENSORS = textwrap.dedent("""
+    import sys, torch
+    from gasloc.peer.train.memory import compact_host_heap
+    def rss():
+        return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) * 1024
+    if sys.argv[1] == "compact":
+        assert compact_host_heap()
+    first = torch.empty(1 << 18); del first        # glibc raises its mmap threshold past 1 MB on this free
+    big, small = [], []
+    for _ in range(200):                             # 200 MB of 1-MB tensors (gradients, exchange buffers) between
+        big.append(torch.ones(1 << 18))              # small ones that stay (activations, Python's objects)
+        small.append(torch.ones(1 << 14))
+    before = rss()
+    del big
+    print((before - rss()) / 1e6)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc are Linux's")
+def test_a_cpu_peers_freed_large_tensors_go_back_to_the_kernel():
+    """compact_host_heap (the daemon calls it on a CPU peer): tensors that one phase frees leave the resident set
+    at once, instead of staying in glibc's heap, where another phase's tensors of other sizes would not fit."""
+    out = subprocess.run([sys.executable, "-c", FREED_BIG_TENSORS, "compact"], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert float(out.stdout) > 150, out.stdout  # of 200 MB freed
+
+
+def test_staging_release_drops_every_kept_buffer_and_the_next_exchange_allocates_afresh():
+    """A CPU peer's exchange drops its buffers after each search (peer/swarm/gossip.py keep_buffers=False): none
+    stays referenced by the Staging, and the next encode and decode work as before."""
+    from gasloc.protocol.codec import parse
+    from gasloc.protocol.messages import TensorSpec
+
+    ts = [torch.randn(64, 64), torch.randn(300)]
+    codec = parse("int8")
+    st = Staging([TensorSpec.of(tuple(t.shape), t.dtype) for t in ts], codec)
+
+    def exchange():
+        payload = st.encode(ts)
+        own = st.own_wire(payload, ts)
+        bufs, out = st.receive_buffers(codec)
+        for b, p in zip(bufs, payload):
+            b.copy_(p)
+        assert st.decode(codec, bufs, out, None, None) == []
+        assert all(torch.equal(a, b) for a, b in zip(out, own))  # what the partner decodes of our payload
+        return payload, own, out
+
+    _, own, out = exchange()
+    st.recycle(out)
+    kept = [*st._send, *st._own, *st._spare, *st._recv[codec.name]]
+    st.release()
+    assert st._send is None and st._own is None and st._spare is None and not st._recv
+    _, own2, out2 = exchange()
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(own2, own))
+    assert all(torch.allclose(a, t, atol=0.05) for a, t in zip(own2, ts))
+    del kept

@@ -75,3 +75,30 @@ def test_a_solo_round_may_pass_sent_as_mixed():
         y = [t.clone() for t in sent]
         outer.apply(params, sent)
         assert all(torch.equal(z, yy) for z, yy in zip(outer.z_prev, y))  # z = y in a solo round
+
+
+@pytest.mark.parametrize("form,kappa", [("A", 1.0), ("B", 1.0), ("C", 1.0), ("C", 0.5)])
+@pytest.mark.parametrize("solo", [False, True])
+def test_y_in_the_parameters_storage_gives_the_same_bits(form, kappa, solo):
+    """outgoing(params, in_place=True), the daemon's plain round: y is built in the parameters' own storage (no
+    parameter-sized allocation in forms A and C), and the round's result is bit for bit the allocating path's."""
+    cfg = OuterConfig(form=form, momentum=0.8, outer_lr=0.7, mix_momentum=kappa)
+    a_params, b_params = params_of(2), params_of(2)
+    a, b = make_outer(cfg, a_params), make_outer(cfg, b_params)
+    for r in range(4):
+        for ps in (a_params, b_params):
+            torch._foreach_add_(ps, params_of(30 + r), alpha=0.05)
+        sent_a = a.outgoing(a_params)
+        sent_b = b.outgoing(b_params, in_place=True)
+        assert all(torch.equal(x, y) for x, y in zip(sent_a, sent_b))
+        if form != "B":  # B sends u, a new tensor; y itself is in the parameters
+            assert [t.data_ptr() for t in sent_b] == [p.data_ptr() for p in b_params]
+        partner = params_of(200 + r)
+        mixed_a = sent_a if solo else [(s + p) / 2 for s, p in zip(sent_a, partner)]
+        mixed_b = sent_b if solo else [(s + p) / 2 for s, p in zip(sent_b, partner)]
+        a.apply(a_params, mixed_a)
+        b.apply(b_params, mixed_b)
+        assert all(torch.equal(x, y) for x, y in zip(a_params, b_params))
+        assert all(torch.equal(x, y) for x, y in zip(a.anchor, b.anchor))
+        sa, sb = a.state_dict(), b.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -89,7 +89,12 @@ def _fsync_path(path: Path) -> None:
 
 # ---- flattening model / optimizer / outer state into named CPU tensors
 
-def _flatten(model: torch.nn.Module, inner_opt: torch.optim.Optimizer, outer) -> tuple[dict, dict]:
+def _flatten(model: torch.nn.Module, inner_opt: torch.optim.Optimizer, outer, copy: bool = True
+             ) -> tuple[dict, dict]:
+    # copy False: CPU tensors as they are (no copy when contiguous); the caller writes before it changes them
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=copy).contiguous()
+
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -99,17 +104,17 @@ def _flatten(model: torch.nn.Module, inner_opt: torch.optim.Optimizer, outer) ->
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        tensors[f"model.{name}"] = t.detach().to("cpu", copy=True).contiguous()
+        tensors[f"model.{name}"] = host(t)
     opt = inner_opt.state_dict()
     scalars: dict[str, object] = {}
     for idx, st in opt["state"].items():
         for k, v in st.items():
             if torch.is_tensor(v):
-                tensors[f"inner.{idx}.{k}"] = v.detach().to("cpu", copy=True).contiguous()
+                tensors[f"inner.{idx}.{k}"] = host(v)
             else:
                 scalars[f"{idx}.{k}"] = v
     for name, t in outer.state_dict().items():
-        tensors[f"outer.{name}"] = t.detach().to("cpu", copy=True).contiguous()
+        tensors[f"outer.{name}"] = host(t)
     groups = [dict(g) for g in opt["param_groups"]]
     record = {"aliases": aliases, "inner": {"param_groups": groups, "scalars": scalars}}
     return tensors, record
@@ -216,13 +221,15 @@ class Staged:
 
 
 def stage(*, model: torch.nn.Module, inner_opt: torch.optim.Optimizer, outer, data_state: dict, round: int,
-          meta: dict, fingerprint: str | None = None) -> Staged:
+          meta: dict, fingerprint: str | None = None, copy: bool = True) -> Staged:
     """Copy what a checkpoint holds (on the training thread, at a round boundary: a consistent state); the slow
-    part (finite check, safetensors, sha256, fsync) is `write_staged`'s."""
+    part (finite check, safetensors, sha256, fsync) is `write_staged`'s. `copy` False: the state's CPU tensors
+    themselves, not copies (a CPU peer: the copy is 4 parameter copies on top of a round's peak), valid only until
+    training changes them, so the caller waits for the write."""
     fp = fingerprint if fingerprint is not None else meta.get("fingerprint")
     if not isinstance(fp, str) or not fp:
         raise ValueError("save_checkpoint needs the config fingerprint (fingerprint= or meta['fingerprint'])")
-    tensors, record = _flatten(model, inner_opt, outer)
+    tensors, record = _flatten(model, inner_opt, outer, copy)
     record.update({"format": FORMAT, "version": VERSION, "round": int(round), "fingerprint": fp,
                    "created_unix": time.time(), "data_state": data_state, "meta": meta,
                    "model": _model_record(model), "outer": {"class": type(outer).__name__}})

@@ -460,12 +460,16 @@ class Peer:
 
     def _save_checkpoint(self, wait: bool = False) -> None:
         """Copy the state now (a round boundary: consistent) and write it on the checkpoint thread, so training
-        goes on while it is serialized, hashed and fsynced; `wait`: until it is on disk (shutdown)."""
+        goes on while it is serialized, hashed and fsynced; `wait`: until it is on disk (shutdown). A CPU peer
+        copies nothing and waits for the write instead: the copy would be 4 parameter copies of host memory (its
+        training memory) on top of the round's peak, the wait a second or so every checkpoint.every_rounds."""
         from gasloc.peer.checkpoint import stage
+        in_line = self.device.type == "cpu"
         staged = stage(model=self.model, inner_opt=self.opt, outer=self.outer, data_state=self.data.state_dict(),
-                       round=self.round, fingerprint=self.fingerprint,
+                       round=self.round, fingerprint=self.fingerprint, copy=not in_line,
                        meta={"inner_steps": self.inner_steps_total, "tokenizer": self.tokenizer_name,
                              "peer_id": self.peer_id, "model": self.cfg.model.model_dump(mode="json")})
+        wait = wait or in_line
         round_no = staged.round
 
         def done(path, err) -> None:  # on the checkpoint thread

@@ -262,3 +262,25 @@ def test_a_non_finite_state_is_never_written_and_a_non_finite_checkpoint_is_skip
     loaded = q.load(cfg)
     assert loaded.path == good and loaded.skipped[0][0] == bad and "NaN or Inf" in loaded.skipped[0][1]
     assert "checkpoint_skipped" in caplog.text
+
+
+def test_a_cpu_peer_stages_its_state_without_a_copy_and_the_checkpoint_is_the_same(tmp_path):
+    """stage(copy=False), what a CPU peer's daemon does before it waits for the write: the staged tensors are the
+    live state's own storage (no 4 parameter copies on top of the round's peak), and what is written reads back bit
+    for bit as the copying path's."""
+    from gasloc.peer.checkpoint import stage, write_staged
+
+    a = Peer()
+    a.train_round()
+    live = {t.untyped_storage().data_ptr() for t in [*a.model.state_dict().values(), *a.outer.state_dict().values(),
+                                                       *(v for st in a.opt.state.values() for v in st.values()
+                                                         if torch.is_tensor(v))]}
+    kw = dict(model=a.model, inner_opt=a.opt, outer=a.outer, data_state=a.data.state_dict(), round=a.round,
+              meta={"fingerprint": FP, "inner_step": a.step, "tokenizer": "bytes"})
+    shared = stage(**kw, copy=False)
+    copied = stage(**kw)
+    assert {t.untyped_storage().data_ptr() for t in shared.tensors.values()} <= live
+    assert not {t.untyped_storage().data_ptr() for t in copied.tensors.values()} & live
+    _, t1 = read_checkpoint(write_staged(CheckpointConfig(dir=tmp_path / "a"), shared), FP)
+    _, t2 = read_checkpoint(write_staged(CheckpointConfig(dir=tmp_path / "b"), copied), FP)
+    assert t1.keys() == t2.keys() and all(torch.equal(t1[k], t2[k]) for k in t1)

@@ -78,7 +78,8 @@ def exchange_copies(codec_name: str | None, numels: list[int]) -> float:
     if c.cast is not None and c.cast.itemsize == 4:
         return decoded  # float32 on an fp32 model: zero-copy send, the receive buffer is the tensors
     payloads = 2 * c.payload_bytes(numels) / n4  # ours encoded, theirs received
-    own = 0.0 if c.lossless else 1.0  # the decoded copy of our own wire form (symmetric mixing)
+    # the decoded copy of our own wire form (symmetric mixing); none where the codec mixes against our tensors
+    own = 0.0 if c.lossless or getattr(c, "modulo", False) else 1.0
     return decoded + payloads + own
 
 
@@ -137,11 +138,13 @@ def run_preset(preset: str, rounds: int, inner_steps: int, codec: str | None, en
         else:
             p = peaks[n]
             source = "outside (VmHWM, reset per round line)"
-        per_peer[n] = {"peak_bytes_by_round": p, "median_peak_bytes": statistics.median(v for r, v in p.items()
-                                                                                       if r > 1)}
+        later = [v for r, v in p.items() if r > 1]
+        per_peer[n] = {"peak_bytes_by_round": p, "median_peak_bytes": statistics.median(later),
+                       "max_peak_bytes": max(later)}
     return {"preset": preset, "num_params": start.get("num_params"), "codec": start.get("codec"), "source": source,
             "ok_rounds": outcomes.count("ok"), "all_rounds": len(outcomes), "peers": per_peer,
-            "median_peak_bytes": statistics.median(p["median_peak_bytes"] for p in per_peer.values())}
+            "median_peak_bytes": statistics.median(p["median_peak_bytes"] for p in per_peer.values()),
+            "max_peak_bytes": max(p["max_peak_bytes"] for p in per_peer.values())}
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -198,7 +201,8 @@ def main(presets, rounds, inner_steps, codec, code, run_dir, json_out):
     for r in runs:
         each = ", ".join(f"{n} {p['median_peak_bytes'] / 1e6:.0f}" for n, p in r["peers"].items())
         click.echo(f"preset={r['preset']} params={r['num_params']} ok={r['ok_rounds']}/{r['all_rounds']} median "
-                   f"per-round peak RSS: {r['median_peak_bytes'] / 1e6:.0f} MB ({each}; from {r['source']})")
+                   f"per-round peak RSS: {r['median_peak_bytes'] / 1e6:.0f} MB ({each}; the highest round "
+                   f"{r['max_peak_bytes'] / 1e6:.0f}; from {r['source']})")
     click.echo(f"code={result['code']} codec={big['codec'] or 'float32 (no codecs yet)'}: peak per round "
                f"{copies:.1f} parameter copies, of which the exchange's buffers {exchange:.1f}, the rest "
                f"{copies - exchange:.1f}")

@@ -693,10 +693,13 @@ class Peer:
 
     def _exchange_and_apply(self, sent: list[torch.Tensor]) -> tuple[RoundExchange, float | None, float]:
         """A plain round's communication and outer step: (the exchange, consensus, seconds of the outer step)."""
+        # a CPU peer receives into the outer anchor, which nothing reads until apply writes it (outer.idle_buffers)
+        into = self.outer.idle_buffers() if self.device.type == "cpu" else None
+        lend = {} if into is None else {"receive_into": into}
         if self.stopping.is_set():
             ex = RoundExchange(outcome="solo", detail="stopping")
         else:
-            ex = self.averaging.average(self.fault.wire(sent), self.round, self.live_count)
+            ex = self.averaging.average(self.fault.wire(sent), self.round, self.live_count, **lend)
         self._note_bandwidth(ex)
         t_outer = time.monotonic()
         mixed, consensus = self._mixed(sent, ex) if ex.ok else (None, None)
@@ -705,7 +708,7 @@ class Peer:
             # the guard rejected this round's partner: search again (it is now distrusted: not called, answered
             # BUSY), rather than lose the round to a solo step
             first = ex
-            ex = self.averaging.average(self.fault.wire(sent), self.round, self.live_count)
+            ex = self.averaging.average(self.fault.wire(sent), self.round, self.live_count, **lend)
             self._note_bandwidth(ex)
             ex.rejected_partner, ex.attempts = first.partner, ex.attempts + first.attempts
             ex.bytes_sent, ex.bytes_received = ex.bytes_sent + first.bytes_sent, ex.bytes_received + first.bytes_received

@@ -84,9 +84,12 @@ class GossipAveraging:
                                    members_out=self.net.members_for, members_in=self.net.members_heard)
         self.net.aio.run(self.exchanger.start(), self.cfg.network.startup_timeout_s)
 
-    def average(self, sent: list[torch.Tensor], round: int, live_count: Callable[[], int]) -> RoundExchange:
-        """Blocks the training thread for at most partner_deadline_s plus one exchange's deadline."""
-        return self._result(self.net.aio.submit(self._average(sent, round)), round)
+    def average(self, sent: list[torch.Tensor], round: int, live_count: Callable[[], int],
+                receive_into: list[torch.Tensor] | None = None) -> RoundExchange:
+        """Blocks the training thread for at most partner_deadline_s plus one exchange's deadline. `receive_into`:
+        CPU tensors of the specs' shapes that the caller does not read until this returns (outer.idle_buffers),
+        where the first exchange decodes the partner's tensors; the Staging lets go of them when the search ends."""
+        return self._result(self.net.aio.submit(self._average(sent, round, receive_into=receive_into)), round)
 
     def begin(self, sent: list[torch.Tensor], round: int, window_s: float) -> Background:
         """Overlap: start this round's partner search and exchange in the background; `window_s` is how long the
@@ -156,7 +159,8 @@ class GossipAveraging:
                      uncallable=self.net.uncallable())
 
     async def _average(self, sent: list[torch.Tensor], round: int, cut: threading.Event | None = None,
-                       window_s: float | None = None) -> RoundExchange:
+                       window_s: float | None = None, receive_into: list[torch.Tensor] | None = None
+                       ) -> RoundExchange:
         """Carry out the partner search's actions until an exchange succeeds or the search finishes."""
         ex = self.exchanger
         t0 = time.monotonic()
@@ -165,6 +169,8 @@ class GossipAveraging:
         self._search_t0 = t0 if cut is None else None
         search = self.policy.begin(t0, None if cut is None else window_s)
         self.net.search_begins()
+        if receive_into is not None:
+            ex.recycle(receive_into)  # the spare decoded tensors: the first exchange decodes into them
         ex.offer(sent, round)
         self.set_state("exchanging")  # offer first: whoever sees the announcement may call us at once
         try:
@@ -204,9 +210,10 @@ class GossipAveraging:
                     self._take(res, report)
             if cut is not None:
                 self.set_state("training")  # the search is over; our inner steps are running
-            if not self.keep_buffers:
+            if not self.keep_buffers or receive_into is not None:
                 await ex.encoded()        # an encode of this offer still running would allocate them again
-                ex.staging.release()      # the report holds what the daemon still reads (received, own wire)
+                ex.staging.release()      # the report holds what the daemon still reads (received, own wire);
+                #                           lent tensors unused must not be decoded into in a later round
         report.wait_s = time.monotonic() - t0 - report.transfer_s
         report.passed_over = len(search.passed)
         return report

@@ -4,8 +4,10 @@ what it used in each round.
 A round's peak, in fp32 copies of the parameters (n of them, 4n bytes each; docs/gpu.md has the measurement):
 - the inner phase: the model, its gradients, AdamW's two moments, the outer anchor and z_prev (GASLoC form C) = 6,
   plus activations;
-- the outer step: the model, two moments, anchor, z_prev (the gradients are freed when the phase ends), the sent y
-  and the exchange's receive buffer, plus what mixing allocates (protocol/averaging.py `mix`).
+- the outer step: the model (in a plain round it holds y, what we send: outer.outgoing in_place), two moments,
+  anchor, z_prev (the gradients are freed when the phase ends) = 5, plus the exchange's buffers (received tensors,
+  with a lossy codec our own wire form and the two payloads: 2.5 with int8), which a CPU peer drops after each
+  search so that the inner phase reuses them.
 
 Fit check (`check_fit`): an analytic estimate first (so a preset far too large is refused without trying it), then
 one dry inner and outer step on a throwaway model (same code as a round) whose measured peak is compared with the
@@ -34,8 +36,8 @@ MB = 1e6  # metrics and messages use MB = 10^6 bytes
 FIT_MARGIN = 1.15  # the measured peak times this must fit: allocator fragmentation, the DHT child, a longer batch
 OOM_MARKER = "out-of-memory.json"
 
-# Parameter-sized fp32 copies at each phase's peak (module docstring); the estimate's constants. The outer step's
-# count includes `mix`'s output and its temporary (2): until mix works in place.
+# Parameter-sized fp32 copies at each phase's peak (module docstring); the estimate's constants. The outer step's is
+# an upper bound (5 + an exchange of up to 3 with a 16-bit wire, + 1 of margin); the dry run measures the truth.
 INNER_COPIES = 6
 OUTER_COPIES = 9
 
@@ -316,6 +318,9 @@ def _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device, stag
     staging = staging_cls([TensorSpec.of(tuple(t.shape), t.dtype) for t in sent], codec)
     payload = staging.encode(sent, seed=0)
     own_wire = staging.own_wire(payload, sent, seed=0)
+    idle = outer.idle_buffers()
+    if idle is not None and device.type == "cpu":  # as the daemon: the partner's tensors land in the anchor
+        staging.recycle(idle)
     bufs, out = staging.receive_buffers(codec)
     if bufs is not out:
         for b, p in zip(bufs, payload):

@@ -152,6 +152,11 @@ class OuterUpdate:
     def apply(self, params: Sequence[torch.Tensor], mixed: Sequence[torch.Tensor]) -> None:
         raise NotImplementedError
 
+    def idle_buffers(self) -> list[torch.Tensor] | None:
+        """Parameter-shaped state that nothing reads between this round's `outgoing` and `apply`, which `apply`
+        accepts `mixed` in (the exchange may decode the partner's tensors there); None: none."""
+        return None
+
     @torch.no_grad()
     def _finish(self, params: Sequence[torch.Tensor], new_theta: Sequence[torch.Tensor]) -> None:
         torch._foreach_copy_(list(params), list(new_theta))
@@ -222,7 +227,7 @@ class GASLoC(OuterUpdate):
         writes the new one) y is built in the parameters' own storage and A and C allocate nothing: one
         parameter copy less at the round's peak. `sent` is then the parameters, valid until `apply`."""
         y = self._y(params, in_place)
-        self._y_sent = y
+        self._y_sent, self._y_in_params = y, in_place
         if self.cfg.form == "B":
             # u = y + gamma (y - y_prev)
             u = torch._foreach_sub(y, self.y_prev)
@@ -239,9 +244,10 @@ class GASLoC(OuterUpdate):
         (a solo round). Bit for bit the values of the allocating form: z - z_prev is computed as
         -(z_prev - z) and scaled by -gamma, which is exact in IEEE arithmetic (tests/golden/outer-*.json).
         y may be the parameters themselves (outgoing's `in_place`): it is read only before the last line writes
-        params."""
+        params. `mixed` may be the anchor's own storage (idle_buffers): the anchor's value is never read here."""
         y, mixed = self._y_sent, list(mixed)
         form, anchor = self.cfg.form, self.anchor
+        in_anchor = all(m.data_ptr() == a.data_ptr() for m, a in zip(mixed, anchor))
         if form == "B":  # theta = mix(u); y_prev = y
             torch._foreach_copy_(self.y_prev, y)
             torch._foreach_copy_(anchor, mixed)
@@ -249,19 +255,33 @@ class GASLoC(OuterUpdate):
             keep = self.z_prev if form == "C" else self.y_prev  # becomes gamma-extrapolated theta
             # A: theta = z + gamma (y - y_prev); C: theta = z + gamma (z - z_prev - (1 - kappa)(z - y))
             torch._foreach_sub_(keep, mixed if form == "C" else y)              # -(z - z_prev) | -(y - y_prev)
-            if form == "C" and self.cfg.mix_momentum != 1.0:
+            if form == "C" and self.cfg.mix_momentum != 1.0 and in_anchor:
+                # z is in the anchor's buffer: -(z - y) = y - z in y's (read no more in form C; the parameters,
+                # which the last line overwrites, or a copy), added with -(1 - kappa): the same bits
+                d = y if self._y_in_params else torch._foreach_mul(y, 1.0)
+                torch._foreach_sub_(d, mixed)
+                torch._foreach_add_(keep, d, alpha=-(1 - self.cfg.mix_momentum))
+            elif form == "C" and self.cfg.mix_momentum != 1.0:
                 torch._foreach_copy_(anchor, mixed)                             # the anchor's buffer: z - y
                 torch._foreach_sub_(anchor, y)
                 torch._foreach_add_(keep, anchor, alpha=1 - self.cfg.mix_momentum)
             torch._foreach_mul_(keep, -self.gamma)
             torch._foreach_add_(keep, mixed)                                    # keep = the new theta
-            torch._foreach_copy_(anchor, mixed if form == "C" else y)           # the anchor's buffer = z | y
+            if form != "C" or not in_anchor:
+                torch._foreach_copy_(anchor, mixed if form == "C" else y)       # the anchor's buffer = z | y
             if form == "C":
                 self.z_prev, self.anchor = anchor, keep
             else:
                 self.y_prev, self.anchor = anchor, keep
-        del self._y_sent
+        del self._y_sent, self._y_in_params
         torch._foreach_copy_(list(params), self.anchor)
+
+    def idle_buffers(self) -> list[torch.Tensor] | None:
+        """After an in-place outgoing: the anchor. y was formed from it, and every form only writes it in `apply`
+        (C: it becomes z_prev = z; A: y_prev = y; B: the new theta), so the partner's tensors can be decoded and
+        mixed there: one parameter copy less at the exchange. Not after an allocating outgoing (overlap applies at
+        once, and the anchor is the next round's)."""
+        return self.anchor if getattr(self, "_y_in_params", False) else None
 
     @torch.no_grad()
     def late_mix(self, params: Sequence[torch.Tensor], sent: Sequence[torch.Tensor],

@@ -102,3 +102,31 @@ def test_y_in_the_parameters_storage_gives_the_same_bits(form, kappa, solo):
         assert all(torch.equal(x, y) for x, y in zip(a.anchor, b.anchor))
         sa, sb = a.state_dict(), b.state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("form,kappa", [("A", 1.0), ("B", 1.0), ("C", 1.0), ("C", 0.5), ("C", 0.0)])
+def test_the_mix_may_land_in_the_anchors_storage_with_the_same_bits(form, kappa):
+    """The daemon's plain round on a CPU peer: after outgoing(in_place=True) the anchor is idle (idle_buffers), the
+    exchange decodes the partner's tensors there and the mix is written there too; apply gives the allocating
+    path's bits. Nothing is idle after an allocating outgoing, nor after apply."""
+    cfg = OuterConfig(form=form, momentum=0.8, outer_lr=0.7, mix_momentum=kappa)
+    a_params, b_params = params_of(3), params_of(3)
+    a, b = make_outer(cfg, a_params), make_outer(cfg, b_params)
+    for r in range(4):
+        for ps in (a_params, b_params):
+            torch._foreach_add_(ps, params_of(40 + r), alpha=0.05)
+        sent_a = a.outgoing(a_params)
+        assert a.idle_buffers() is None
+        sent_b = b.outgoing(b_params, in_place=True)
+        idle = b.idle_buffers()
+        assert idle is not None and [t.data_ptr() for t in idle] == [t.data_ptr() for t in b.anchor]
+        partner = params_of(300 + r)
+        mixed_a = [(s + p) / 2 for s, p in zip(sent_a, partner)]
+        torch._foreach_copy_(idle, [(s + p) / 2 for s, p in zip(sent_b, partner)])
+        a.apply(a_params, mixed_a)
+        b.apply(b_params, idle)
+        assert b.idle_buffers() is None
+        assert all(torch.equal(x, y) for x, y in zip(a_params, b_params))
+        assert all(torch.equal(x, y) for x, y in zip(a.anchor, b.anchor))
+        sa, sb = a.state_dict(), b.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -14,9 +14,12 @@ Failure semantics, per round (`average` returns only when one holds):
   difference to a groupmate's anchor sample (fp32: float32 rounding, ~1e-8; a lossy codec: its rounding, which
   walks on from step to step, since hivemind hands each member the rounded difference to its own part).
 - an attempt that fails (no group within diloco.matchmaking_time_s, a groupmate dropped, the deadline, a member of
-  another epoch, a non-finite mean) is tried again for the same epoch, with the same pseudo-gradient: never a solo
-  outer step. The averager's buffers are scratch space: ours are copied in before each attempt and the mean copied
-  out only on success, so a partial reduction is never applied.
+  another epoch, a non-finite mean, a partial all-reduce: part of our vector came back from no reducer, or a part
+  we averaged had no sender but us - hivemind reports those as a success, with each member's own values standing
+  in, so the members' "means" differ; `allreduce_shortfall`) is tried again for the same epoch, with the same
+  pseudo-gradient: never a solo outer step, not even on part of the model. A groupmate that got the whole mean
+  steps while we refuse ours: we are then behind (below). The averager's buffers are scratch space: ours are copied
+  in before each attempt and the mean copied out only on success, so a partial reduction is never applied.
 - behind: the other training peers' median announced round is past our epoch (they stepped without us: we were
   stopped, or dropped from the group), or the group's majority holds another model than ours (a fork; code=FORKED).
   The caller drops the round and downloads a peer's state - parameters and the DiLoCo momentum, the round taken
@@ -51,11 +54,12 @@ from collections.abc import Callable, Sequence
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 
 from gasloc.peer.swarm.round_report import RoundExchange
 from gasloc.protocol.epochs import anchor_sample, behind, judge_group, sample_size, sample_stride
-from gasloc.runtime.safeproc import DiesWithParent
+from gasloc.runtime.safeproc import DiesWithParent, remove_own_shm
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +93,49 @@ def make_compression(name: str) -> CompressionBase:
     return {"none": NoCompression, "float16": Float16Compression, "uint8": Uniform8BitQuantization}[name]()
 
 
+def allreduce_shortfall(container, reducer) -> str | None:
+    """Why the all-reduce that just ran must not be used, or None. `container` and `reducer` are the run's hivemind
+    TensorPartContainer (the parts of our vector as they came back) and TensorPartReducer (the parts we averaged for
+    the group).
+
+    hivemind 1.1.12 finishes a step without an error when a groupmate fails mid-way: a reducer that does not answer
+    within reducer_timeout leaves its share of our vector at our own values (register_failed_reducer), and a sender
+    that does not send within sender_timeout is left out of the parts we average (on_sender_failed). Measured live
+    (tests/e2e/test_swarm_diloco.py, a frozen and a slow peer on 2 shared cores): three members of one epoch came out
+    2.5-2.7 % apart after an all-reduce whose anchors agreed to 1e-8. Refused here:
+    - a share that came back from no reducer: our own values stand in for the group's, so our "mean" is not the
+      one the others hold;
+    - a part we averaged from our own values alone (every other sender left out): the others received it as the
+      group's, and stepping with it is a solo step on that part.
+    A sender left out of a part that others did send is not refused: every member that got every part holds the same
+    mean (each part is averaged once and sent alike to all), and the member left out refuses by the first rule."""
+    why = []
+    if container.failed_size:
+        why.append(f"{container.failed_size} of {container.total_size} values came back from no reducer (left at "
+                   f"our own)")
+    alone = sum(sum(after > part for after in reducer.sender_failed_after) < 2 for part in range(reducer.num_parts))
+    if alone:
+        why.append(f"{alone} of {reducer.num_parts} parts we averaged had no sender but us")
+    return "; ".join(why) or None
+
+
 class SafeAverager(DiesWithParent, DecentralizedAverager):
     """A DecentralizedAverager whose process dies with the peer (runtime/safeproc.py), whose group key follows the
-    epoch, and whose group sizes follow the swarm."""
+    epoch, whose group sizes follow the swarm, and whose step fails when the all-reduce was partial in a way that
+    parts our mean from the group's or steps part of the model alone (allreduce_shortfall: hivemind reports both as a
+    success)."""
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        # Runs in the averager process, inside the group's registration: the run's AllReduceRunner is still there.
+        # The exception fails the step (DilocoAveraging then tries the epoch again; the buffers are scratch space).
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        running = self._running_groups.get(group_info.group_id)
+        runner = running.result() if running is not None and running.done() else None
+        why = ("no all-reduce ran" if runner is None
+               else allreduce_shortfall(runner.tensor_part_container, runner.tensor_part_reducer))
+        if why:
+            raise AllreduceException(f"partial all-reduce, not used: {why}")
+        return gathered
 
     async def _shutdown(self, timeout: float | None) -> None:
         try:
@@ -100,6 +144,9 @@ class SafeAverager(DiesWithParent, DecentralizedAverager):
             # our p2p is a replica on the DHT's daemon: hivemind never closes it, which leaves its unix socket file
             # (/tmp/hivemind-p2pclient-*.sock) behind after every clean exit
             await self._p2p.shutdown()
+            # this process's hivemind futures live in /dev/shm/torch_<pid>_* files, which torch_shm_manager removes
+            # only after every client of it is gone (an in-process averager's manager serves its creator too)
+            remove_own_shm()
 
     def set_group(self, key_prefix: str, target: int, minimum: int) -> None:
         """Before a step: the matchmaking key and group sizes (sent down the same pipe as the step, so they apply

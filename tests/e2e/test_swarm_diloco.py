@@ -24,9 +24,9 @@ def ok_rounds(h, name: str, since: float = 0.0, size: int | None = None) -> list
             and (size is None or r["group_size"] == size)]
 
 
-def check_one_model(h, name: str) -> None:
+def check_one_model(h, name: str, tolerance: float = LOSSLESS) -> None:
     """The round number moves on only with an ok all-reduce (then by one) or a state download (to the donor's);
-    every ok all-reduce found the members' anchors equal."""
+    every ok all-reduce found the members' anchors equal (within `tolerance`: the wire's rounding)."""
     expected = None
     for ev in events(h, name):
         kind = ev["event"]
@@ -36,19 +36,13 @@ def check_one_model(h, name: str) -> None:
         elif ev["outcome"] == "ok":
             assert ev["round"] == expected + 1, (name, ev)
             assert ev["group_size"] >= 2 and ev["partner"], (name, ev)
-            assert ev["anchor_spread"] is not None and ev["anchor_spread"] <= LOSSLESS, (name, ev)
+            assert ev["anchor_spread"] is not None and ev["anchor_spread"] <= tolerance, (name, ev)
             expected = ev["round"]
         else:  # no group mean: no outer step, the round does not count
             assert ev["outcome"] in ("behind", "stopping"), (name, ev)
             assert ev["round"] == expected, (name, ev)
 
 
-# Known failure on main as of 2026-12-05 02:45 UTC (passed at d035ea3, twice): after the freeze, a peer that
-# downloads the state as "behind" joins the next all-reduce with an anchor 2-3 % from its groupmate's, and that
-# all-reduce is used (anchor_spread 0.024-0.030, group of 2-3). Reproduced 3 of 3 runs, also with
-# swarm.join_cross_check off; not bisected (the closing note of this stop). Not strict: it must pass again once fixed.
-@pytest.mark.xfail(strict=False, reason="a 'behind' download leaves a 2-3 % anchor spread in the next all-reduce "
-                   "(regression since d035ea3, under investigation)")
 @pytest.mark.timeout(420)
 def test_diloco_stays_one_model_through_a_freeze_and_a_joiner(harness, bootstrap):
     h = harness
@@ -95,7 +89,9 @@ def test_diloco_stays_one_model_through_a_freeze_and_a_joiner(harness, bootstrap
 def test_a_lossy_all_reduce_keeps_the_members_within_its_bound(harness, bootstrap):
     """float16 (hivemind's Float16Compression, what exchange.codec float16 maps to): each member receives the
     rounded difference between the mean and its own part, so anchors part by the rounding; they stay within the
-    bound the fork check allows for that codec, and nobody is taken for a fork."""
+    bound the fork check allows for that codec, and nobody is taken for a fork. (A member may still download the
+    state: a groupmate that fails mid-way leaves it without part of the mean, which it then refuses while the
+    others step; peer/swarm/diloco.py allreduce_shortfall.)"""
     from gasloc.peer.swarm.diloco import TOLERANCE
 
     h = harness
@@ -110,13 +106,5 @@ def test_a_lossy_all_reduce_keeps_the_members_within_its_bound(harness, bootstra
         assert all("compression=float16" in r["detail"] for r in ok), ok[0]
         spreads = [r["anchor_spread"] for r in ok[1:]]
         assert spreads and all(0 <= s <= TOLERANCE["float16"] for s in spreads), (n, spreads)
-        assert not [e for e in events(h, n) if e["event"] == "resync" or e.get("outcome") == "behind"], n
-        check_one_model_steps(h, n)
-
-
-def check_one_model_steps(h, name: str) -> None:
-    """The round moves on exactly with the ok all-reduces (no download expected here)."""
-    expected = start_event(h, name)["round"]
-    for r in rounds(h, name):
-        expected += r["outcome"] == "ok"
-        assert r["round"] == expected and r["outcome"] in ("ok", "stopping"), (name, r)
+        assert not [e for e in events(h, n) if e.get("code") == "FORKED"], n
+        check_one_model(h, n, TOLERANCE["float16"])

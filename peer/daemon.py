@@ -708,6 +708,7 @@ class Peer:
             # the guard rejected this round's partner: search again (it is now distrusted: not called, answered
             # BUSY), rather than lose the round to a solo step
             first = ex
+            first.own_wire = None  # read no more: the retry encodes its own (else two copies of it at once)
             ex = self.averaging.average(self.fault.wire(sent), self.round, self.live_count, **lend)
             self._note_bandwidth(ex)
             ex.rejected_partner, ex.attempts = first.partner, ex.attempts + first.attempts

@@ -86,7 +86,9 @@ def test_a_groupmate_that_fails_mid_all_reduce_fails_the_step_for_both(monkeypat
 
         # patched before the averagers fork: both processes carry it, only B's peer id takes the stalled path
         monkeypatch.setattr(AllReduceRunner, "_communicate_with_peer", stalled)
-        values = [torch.full((4096,), 1.0), torch.full((4096,), 3.0)]
+        # two of hivemind's parts (2**19 bytes each), so each averager reduces one whichever order the group has
+        # (with one part, the member that reduces it all may be the stalled one: then nothing is partial)
+        values = [torch.full((2 * 2**17,), 1.0), torch.full((2 * 2**17,), 3.0)]
         for dht, v in zip(dhts, values):
             averagers.append(SafeAverager([v.clone()], dht, start=True, prefix="shortfall", target_group_size=2,
                                           min_group_size=2, min_matchmaking_time=2.0, request_timeout=1.0,

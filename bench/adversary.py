@@ -216,13 +216,13 @@ def echo_exchanger_class():
     from gasloc.peer.transport import exchange as ex
 
     class EchoExchanger(ex.Exchanger):
-        async def _duplex(self, channels, offer, their_codec, seed, eng):
-            return await echo_duplex(self, channels, offer, their_codec, seed, eng)
+        async def _duplex(self, channels, offer, their_codec, seed, eng, steps=None):
+            return await echo_duplex(self, channels, offer, their_codec, seed, eng, steps)
 
     return EchoExchanger
 
 
-async def echo_duplex(self, channels, offer, their_codec, seed, eng):
+async def echo_duplex(self, channels, offer, their_codec, seed, eng, steps=None):
     """Exchanger._duplex with the order changed: receive all of theirs, then send those bytes back as ours (in
     their codec: with the swarm's one codec, also ours). What we mix ourselves is theirs, decoded."""
     from gasloc.peer.transport.lanes import move
@@ -239,7 +239,9 @@ async def echo_duplex(self, channels, offer, their_codec, seed, eng):
     nothing = [b.new_empty(0) for b in bufs]
     await move(channels, nothing, bufs, self.cfg.chunk_bytes)            # receive only
     await move(channels, bufs, [b.new_empty(0) for b in bufs], self.cfg.chunk_bytes)   # their bytes, back
-    bad = await in_thread(self.staging.decode, codec, bufs, out, seed, offer.tensors)
+    # a modulo codec: what we sent is theirs, so we decode it against itself (our own tensors come back)
+    bad = await in_thread(self.staging.decode, codec, bufs, out, seed, offer.tensors, bufs if codec.modulo else None,
+                          steps)
     eng.verdict_sent = True
     await channels[0].write(bytes([Code.NOT_FINITE if bad else Code.OK]))
     theirs = Code.parse((await channels[0].readexactly(1))[0])

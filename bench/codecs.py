@@ -19,7 +19,7 @@ import click
 import torch
 
 from gasloc.peer.transport.staging import Staging
-from gasloc.protocol.codec import CodecError, parse
+from gasloc.protocol.codec import CodecError, parse, probe, probe_steps
 from gasloc.protocol.messages import TensorSpec
 
 CODECS = ("float16", "int8", "int4", "int4-rn", "int3", "int8-p10", "int4-p20")
@@ -50,11 +50,19 @@ def measure(name: str, params: int, reps: int) -> dict:
     codec = parse(name)
     staging = Staging(specs, codec)
     seed = 12345
-    payload = staging.encode(tensors, seed)
+    steps = received = None
+    if codec.modulo:   # a partner 2.5 % of a weight away; the steps from both probes, as an exchange sizes them
+        partner = [t + torch.randn(t.shape, generator=g) * 0.0005 for t in tensors]
+        steps = probe_steps(codec, [t.numel() for t in tensors], probe(tensors, seed), probe(partner, seed))
+        received = Staging(specs, codec).encode(partner, seed, steps)
+    payload = staging.encode(tensors, seed, steps)
     _, out = staging.receive_buffers(codec)
     fill = staging.own_wire(payload, tensors, seed) if codec.sparse else None
-    enc = best_of(reps, lambda: staging.encode(tensors, seed))
-    dec = best_of(reps, lambda: staging.decode(codec, payload, out, seed, fill))
+    enc = best_of(reps, lambda: staging.encode(tensors, seed, steps))
+    if codec.modulo:   # the partner's codes against our own tensors and our own codes
+        dec = best_of(reps, lambda: staging.decode(codec, received, out, seed, tensors, payload, steps))
+    else:
+        dec = best_of(reps, lambda: staging.decode(codec, payload, out, seed, fill))
     copy_dst = [torch.empty_like(t) for t in tensors]
     copy = best_of(reps, lambda: torch._foreach_copy_(copy_dst, tensors))
     raw = sum(t.numel() for t in tensors) * 4

@@ -197,6 +197,8 @@ def check_codec(peer_config: Path | None) -> Check:
     per = c.bits_per_param(numels) / 8
     vocab = "" if cfg.data.tokenizer == "bytes" else " (embeddings at a 256-token vocabulary)"
     note = "lossless" if c.lossless else "partners mix each other's decoded forms (docs/codecs.md)"
+    if c.sparse or c.modulo:   # a partner in any other codec answers BAD_DTYPE
+        note += f"; it pairs only with peers that send {c.name} too"
     return Check("wire codec", OK, f"exchange.codec = {c.name}: {8 * per:.2f} bits a parameter; the {cfg.model.preset} "
                  f"model{vocab} sends {sum(numels) * per / 1e6:.1f} MB each way an exchange; {note}; state "
                  "downloads are lossless")

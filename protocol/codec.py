@@ -9,6 +9,8 @@ exactly how to read the payload and how many bytes it must be:
                                      (default 64), stochastic (sr, the default), nearest (rn) or shared-dither (sd)
                                      rounding; with -p<pct>, only pct % of the blocks travel (seeded sparse
                                      averaging, below)
+    mod<b>[-p<pct>][-sr|-sd]         modulo: b in {2, 3, 4, 8} bits a value, no scales; the partner's difference to
+                                     us, decoded against our own tensors (below)
 
 Blockwise layout of one tensor (n values, padded with zeros to nb = ceil(n / block) blocks):
 
@@ -38,11 +40,27 @@ pair comes together. With nearest rounding two close models round to the same co
 differ by less than a step, and those coordinates never mix; stochastic rounding makes E[Q(y)] = y, so every
 coordinate mixes in expectation, with noise of at most a step (measured: docs/codecs.md).
 
+Modulo codes (`mod<b>`, after Moniqua, Lu & De Sa 2020): gossip has no reference both partners hold, but two
+partners' models are close, so each side's own model is the reference for decoding the other's. Both round y / step
+stochastically to integers r and send r modulo 2^b; the receiver takes d = (r_j - r_i) modulo 2^b into
+[-2^(b-1), 2^(b-1)) from the two codes and decodes the partner as y_i + step d. Where the pair is less than 2^(b-1)
+steps apart that is the partner's tensor on our grid, E[y_i + step d] = y_j; spending the b bits on the difference
+instead of the weight makes a step 2^(b-1) / 4 of the pair's RMS difference instead of a block's largest weight.
+The step of each tensor comes from the pair's actual distance: the request carries the caller's values at
+PROBE_VALUES positions of each tensor (the caller's seed), the reply the responder's at the same positions, and both
+compute the same step from the two (`probe_steps`), so the range spans RANGE_RMS times the RMS of the difference. A
+coordinate further apart than the range wraps and pulls the wrong way, by at most the range, on both sides alike:
+the partner reads -d from the same two codes, so the pair's mean is kept exactly (the one value whose sign both
+would read alike, -2^(b-1), is not mixed). A hostile partner's pull is bounded by the range a coordinate. Our own
+wire form is our tensors themselves (`Staging.own_wire` None). mod4 is 4 bits a parameter; a modulo codec pairs
+only with itself.
+
 Decoding checks nothing but sizes: the receiver checks the decoded values are finite (a NaN or Inf scale decodes to
 NaN), and the guard judges the decoded tensors.
 """
 from __future__ import annotations
 
+import base64
 import math
 import re
 from collections.abc import Sequence
@@ -63,6 +81,13 @@ CASTS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.b
 BLOCK_BITS = (2, 3, 4, 8)
 _BLOCKWISE = re.compile(
     r"^int(?P<bits>\d)(?:-b(?P<block>\d{1,5}))?(?:-p(?P<pct>\d{1,2}))?(?:-(?P<rounding>sr|rn|sd))?$")
+_MODULO = re.compile(r"^mod(?P<bits>\d)(?:-p(?P<pct>\d{1,2}))?(?:-(?P<rounding>sr|sd))?$")
+MODULO_BITS = (2, 3, 4, 8)
+# a modulo codec's step: the code range, 2^(b-1) steps each way, spans this many RMS of the pair's difference (a
+# coordinate further apart wraps), measured at PROBE_VALUES positions a tensor that both sides send in the handshake
+RANGE_RMS = 8.0
+PROBE_VALUES = 64
+MIN_STEP = 1e-9
 
 
 class CodecError(ValueError):
@@ -78,6 +103,7 @@ class Codec:
     stochastic: bool = False  # rounding of blockwise codes
     percent: int = 100        # share of the blocks that travel (seeded sparse averaging), in percent
     shared: bool = False      # stochastic rounding with the exchange's shared dither, on power-of-two scales
+    modulo: bool = False      # codes of round(y / step) mod 2^bits, decoded against the receiver's own tensors
 
     @property
     def lossless(self) -> bool:
@@ -90,8 +116,9 @@ class Codec:
 
     @property
     def seeded(self) -> bool:
-        """Encoding needs the exchange's seed (a sparse codec's blocks, a shared dither): once per exchange."""
-        return self.sparse or self.shared
+        """Encoding needs the exchange's seed (a sparse codec's blocks, a shared dither) or its agreed steps (a
+        modulo codec): once per exchange."""
+        return self.sparse or self.shared or self.modulo
 
     @property
     def sparse(self) -> bool:
@@ -107,7 +134,7 @@ class Codec:
         if self.cast is not None:
             return numel * self.bits // 8
         nb = self.blocks_sent(numel)
-        return 2 * nb + _packed_bytes(nb * self.block, self.bits)
+        return (0 if self.modulo else 2 * nb) + _packed_bytes(nb * self.block, self.bits)
 
     def block_choice(self, numel: int, seed: int) -> torch.Tensor | None:
         """Sparse: the indices of the blocks that travel, the same on both sides for the same seed (None: all)."""
@@ -127,7 +154,7 @@ class Codec:
 
     @torch.no_grad()
     def encode(self, t: torch.Tensor, out: torch.Tensor | None = None, generator: torch.Generator | None = None,
-               seed: int | None = None) -> torch.Tensor:
+               seed: int | None = None, step: float | None = None) -> torch.Tensor:
         """`t` (any float dtype, any device) as payload bytes: a uint8 CPU tensor of `tensor_bytes(t.numel())`,
         written into `out` when given. Stochastic rounding draws from `generator` (None: torch's default; a tensor
         on a GPU always draws from its device's default generator); a sparse codec sends the blocks
@@ -155,6 +182,17 @@ class Codec:
                 raise CodecError(f"{self.name}: a sparse codec encodes with the exchange's seed")
             xb = xb[self.block_choice(n, seed).to(dev)]
             nb = xb.shape[0]
+        if self.modulo:
+            self._encode_modulo(xb, out, generator, seed, step)
+        else:
+            self._encode_blockwise(xb, out, generator, seed)
+        if out is not host:
+            host.copy_(out)   # the payload only: bits/32 of the tensor crosses to the host
+        return host
+
+    def _encode_blockwise(self, xb: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None,
+                          seed: int | None) -> None:
+        nb, dev = xb.shape[0], xb.device
         qmax = (1 << (self.bits - 1)) - 1
         scales = out[:2 * nb].view(torch.float16)
         step = xb.abs().amax(dim=1).div_(qmax)
@@ -176,16 +214,32 @@ class Codec:
             q.round_()
         codes = q.clamp_(-qmax, qmax).add_(qmax).to(torch.uint8)
         _pack(codes.view(-1), self.bits, out[2 * nb:])
-        if out is not host:
-            host.copy_(out)   # the payload only: bits/32 of the tensor crosses to the host
-        return host
+
+    def _encode_modulo(self, xb: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None,
+                       seed: int | None, step: float | None) -> None:
+        if step is None or not math.isfinite(step) or step <= 0:
+            raise CodecError(f"{self.name}: a modulo codec encodes with the exchange's agreed step, got {step}")
+        # float64: |y| / step passes 2^24 for a small step, where float32 would round the fraction stochastic
+        # rounding draws against
+        q = xb.to(torch.float64).div_(step)
+        if self.shared:
+            if seed is None:
+                raise CodecError(f"{self.name}: a shared dither encodes with the exchange's seed")
+            u = torch.rand(q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+            q.add_(u.to(xb.device))
+        else:
+            q.add_(torch.rand(q.shape, generator=generator, device=xb.device, dtype=torch.float64))
+        codes = torch.remainder(q.floor_(), 1 << self.bits).to(torch.uint8)
+        _pack(codes.view(-1), self.bits, out)
 
     @torch.no_grad()
     def decode(self, payload: torch.Tensor, out: torch.Tensor, seed: int | None = None,
-               fill: torch.Tensor | None = None) -> torch.Tensor:
+               fill: torch.Tensor | None = None, ref: torch.Tensor | None = None,
+               step: float | None = None) -> torch.Tensor:
         """Payload bytes (a uint8 CPU tensor of exactly `tensor_bytes(out.numel())`) into `out` (its shape and
         dtype stay; any device). A sparse codec writes the chosen blocks over `fill` (what the rest of `out`
-        becomes: the receiver's own wire form, so that the blocks not sent mix as identical)."""
+        becomes: the receiver's own wire form, so that the blocks not sent mix as identical). A modulo codec
+        decodes against our own tensor `fill` and our own payload `ref` of the same exchange (`_decode_modulo`)."""
         n = out.numel()
         if payload.dtype != torch.uint8 or payload.numel() != self.tensor_bytes(n):
             raise CodecError(f"{self.name}: {payload.numel()} payload bytes for {n} values, expected "
@@ -194,6 +248,8 @@ class Codec:
         if self.cast is not None:
             flat.copy_(payload.view(self.cast), non_blocking=True)
             return out
+        if self.modulo:
+            return self._decode_modulo(payload, out, seed, fill, ref, step)
         nb = self.blocks_sent(n)
         qmax = (1 << (self.bits - 1)) - 1
         scales = payload[:2 * nb].view(torch.float16).float()
@@ -210,6 +266,107 @@ class Codec:
         return out
 
 
+    def _decode_modulo(self, payload: torch.Tensor, out: torch.Tensor, seed: int | None, fill: torch.Tensor | None,
+                       ref: torch.Tensor | None, step: float | None) -> torch.Tensor:
+        """out = fill + step * d, d = the partner's codes minus ours, taken modulo 2^b into [-2^(b-1), 2^(b-1)).
+
+        Both sides rounded y / step (the step both agreed) and sent the integers modulo 2^b. Where the pair is less
+        than 2^(b-1) steps apart, d is exactly r_j - r_i: the partner's tensor as seen on our grid, rounded
+        stochastically, E[step d] = y_j - y_i. The partner computes -d from the same two codes, so the pair's
+        corrections cancel exactly, also where a coordinate further apart wrapped (it then pulls by a wrong amount,
+        at most the range, on both sides alike). The one code difference whose sign the two sides would read alike,
+        -2^(b-1), is left unmixed on both sides. `fill` is our own tensor y_i, which is also our own wire form: the
+        mix z_i = y_i + w (out - y_i) = y_i + w step d (protocol/averaging.py mix_pair_ with own_wire None)."""
+        n = out.numel()
+        if fill is None or fill.numel() != n or ref is None or ref.numel() != payload.numel():
+            raise CodecError(f"{self.name}: a modulo codec decodes against our own tensor and our own payload")
+        if step is None or not math.isfinite(step) or step <= 0:
+            raise CodecError(f"{self.name}: a modulo codec decodes with the exchange's agreed step, got {step}")
+        nb, half = self.blocks_sent(n), 1 << (self.bits - 1)
+        theirs = _unpack(payload, self.bits, nb * self.block).to(torch.int16)
+        mine = _unpack(ref, self.bits, nb * self.block).to(torch.int16)
+        d = theirs.sub_(mine).add_(half).bitwise_and_((1 << self.bits) - 1).sub_(half)   # in [-2^(b-1), 2^(b-1))
+        d.masked_fill_(d == -half, 0)
+        delta = d.to(torch.float32).mul_(step).view(nb, self.block)
+        base = torch.nn.functional.pad(fill.detach().reshape(-1).to("cpu", torch.float32),
+                                       (0, -(-n // self.block) * self.block - n))
+        if self.sparse:
+            if seed is None:
+                raise CodecError(f"{self.name}: a sparse codec decodes with the exchange's seed")
+            base.view(-1, self.block).index_add_(0, self.block_choice(n, seed), delta)
+        else:
+            base.view(-1, self.block).add_(delta)
+        flat = out.view(-1)
+        flat.copy_(base[:n], non_blocking=True)
+        return out
+
+
+def probe_positions(numel: int, seed: int) -> torch.Tensor | None:
+    """Where a modulo codec's probe samples a tensor of `numel` values: PROBE_VALUES positions drawn from the
+    exchange's probe seed (None: a tensor that small is probed whole)."""
+    if numel <= PROBE_VALUES:
+        return None
+    return torch.randint(numel, (PROBE_VALUES,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def probe(tensors: Sequence[torch.Tensor], seed: int) -> torch.Tensor:
+    """Our values at the probe positions of every tensor, concatenated (float32, on the CPU): what the exchange's
+    request and reply carry so that both sides can size the step from the pair's actual distance."""
+    out = []
+    for k, t in enumerate(tensors):
+        flat = t.detach().reshape(-1)
+        pos = probe_positions(flat.numel(), seed + k)
+        out.append((flat if pos is None else flat[pos.to(flat.device)]).to("cpu", torch.float32))
+    return torch.cat(out) if out else torch.empty(0)
+
+
+def probe_numel(numels: Sequence[int]) -> int:
+    return sum(min(n, PROBE_VALUES) for n in numels)
+
+
+def probe_text(values: torch.Tensor) -> str:
+    """A probe as the exchange header carries it: its float32 values, little-endian, in base64."""
+    return base64.b64encode(values.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()).decode()
+
+
+def read_probe(text: str, numels: Sequence[int]) -> torch.Tensor:
+    """A header's probe back as values; CodecError unless it is base64 of exactly one float32 a probe position of
+    these tensors, every one finite."""
+    n = probe_numel(numels)
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError) as e:
+        raise CodecError(f"probe is not base64: {e}") from None
+    if len(raw) != 4 * n:
+        raise CodecError(f"probe of {len(raw)} bytes, expected {4 * n} ({n} float32 values)")
+    values = torch.frombuffer(bytearray(raw), dtype=torch.float32)   # little-endian hosts, as probe_text writes
+    if not bool(torch.isfinite(values).all()):
+        raise CodecError("a probe value is not finite")
+    return values
+
+
+def probe_steps(codec: Codec, numels: Sequence[int], mine: torch.Tensor, theirs: torch.Tensor) -> list[float]:
+    """A modulo codec's step per tensor for one exchange, from both sides' probes: the code range (2^(b-1) steps
+    each way) spans RANGE_RMS times the RMS of the pair's difference at the probe positions. Both sides compute it
+    from the same two probes, bit for bit ((a - b)^2 = (b - a)^2 in floating point), so no agreement round trip is
+    needed. CodecError where a probe has the wrong size or a value that is not finite."""
+    n = probe_numel(numels)
+    for p in (mine, theirs):
+        if p.numel() != n or p.dtype != torch.float32:
+            raise CodecError(f"{codec.name}: a probe of {p.numel()} values, expected {n}")
+        if not bool(torch.isfinite(p).all()):
+            raise CodecError(f"{codec.name}: a probe value is not finite")
+    sq = (mine.double() - theirs.double()).square_()
+    span = RANGE_RMS / (1 << (codec.bits - 1))
+    out, at = [], 0
+    for numel in numels:
+        k = min(numel, PROBE_VALUES)
+        out.append(max(span * math.sqrt(float(sq[at:at + k].mean())), MIN_STEP))
+        at += k
+    return out
+
+
 def parse(name: str) -> Codec:
     """The codec a name stands for; CodecError names what is wrong with it."""
     if not isinstance(name, str) or len(name) > MAX_CODEC_CHARS:
@@ -221,9 +378,19 @@ def parse(name: str) -> Codec:
 def _parse(name: str) -> Codec:
     if name in CASTS:
         return Codec(name, bits=torch.finfo(CASTS[name]).bits)
+    m = _MODULO.match(name)
+    if m:
+        bits, pct = int(m["bits"]), int(m["pct"] or 100)
+        if bits not in MODULO_BITS:
+            raise CodecError(f"codec {name!r}: {bits} bits a value, supported {list(MODULO_BITS)}")
+        if not 1 <= pct <= 100:
+            raise CodecError(f"codec {name!r}: -p{pct}, the share of blocks sent must be 1..99 percent")
+        return Codec(name, bits=bits, block=DEFAULT_BLOCK, stochastic=True, percent=pct, shared=m["rounding"] == "sd",
+                     modulo=True)
     m = _BLOCKWISE.match(name)
     if not m:
-        raise CodecError(f"unknown codec {name!r}: float32, float16, bfloat16 or int<bits>[-b<block>][-sr|-rn]")
+        raise CodecError(f"unknown codec {name!r}: float32, float16, bfloat16, "
+                         "int<bits>[-b<block>][-p<pct>][-sr|-rn|-sd] or mod<bits>[-p<pct>][-sr|-sd]")
     bits, block = int(m["bits"]), int(m["block"] or DEFAULT_BLOCK)
     if bits not in BLOCK_BITS:
         raise CodecError(f"codec {name!r}: {bits} bits a value, supported {list(BLOCK_BITS)}")

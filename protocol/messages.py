@@ -39,6 +39,8 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float
 
 MAX_CODEC_CHARS = 32      # a codec's name (protocol/codec.py); anything longer is no codec of ours
 MAX_TENSORS = 100_000      # more tensors than this in one header is garbage, whatever the model
+# a modulo codec's probe (protocol/codec.py): base64 of at most 64 float32 values a tensor
+MAX_PROBE_CHARS = -(-4 * 64 * MAX_TENSORS // 3) * 4
 MAX_DIMS = 8
 MAX_STREAMS = 64           # parallel streams ("lanes") one exchange may use; each costs the responder a buffer
 
@@ -146,6 +148,10 @@ class ExchangeRequest(_Wire):
     members_wanted: int = Field(0, ge=0, le=MAX_WIRE_MEMBERS, description="signed hints: how many signed records "
                                 "of hinted peers the reply may carry (0: an older caller, whose reply cap has no "
                                 "room for them)")
+    probe_seed: int = Field(0, ge=0, lt=2**63, description="a modulo codec: the seed of the probe positions "
+                            "(protocol/codec.py probe_positions), the caller's choice")
+    probe: str = Field("", max_length=MAX_PROBE_CHARS, description="a modulo codec: the sender's values at the probe "
+                       "positions (base64 float32), from which both sides size the codec's step")
 
 
 class ExchangeReply(_Wire):
@@ -167,6 +173,8 @@ class ExchangeReply(_Wire):
     peers: Hints = Field((), max_length=MAX_WIRE_HINTS, description="peer exchange: live peers the sender saw")
     members: tuple[WireMember, ...] = Field((), max_length=MAX_WIRE_MEMBERS, description="signed hints: signed "
                                             "records of peers in `peers` (each checked before use, like a caller's)")
+    probe: str = Field("", max_length=MAX_PROBE_CHARS, description="with OK and a modulo codec: the responder's "
+                       "values at the caller's probe positions")
 
 
 class LaneHello(_Wire):

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from gasloc.protocol.codec import Codec, CodecError
+from gasloc.protocol.codec import Codec, CodecError, read_probe
 from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
@@ -117,9 +117,10 @@ def _check_specs(fingerprint_got: str, specs: Sequence[TensorSpec], total_bytes:
 
 def _check_exchange(fingerprint_got: str, codec_name: str, specs: Sequence[TensorSpec], total_bytes: int, *,
                     expected_specs: Sequence[TensorSpec], fingerprint: str, max_bytes: int,
-                    codec: Codec | None) -> tuple[Code, str]:
-    """An exchange header's payload: our specs, in a codec we read (a sparse one only if it is ours: both sides must
-    send the same blocks), exactly the bytes that codec makes of them."""
+                    codec: Codec | None, probe: str = "") -> tuple[Code, str]:
+    """An exchange header's payload: our specs, in a codec we read (a sparse or modulo one only if it is ours: both
+    sides must send the same blocks, decode against their own codes), exactly the bytes that codec makes of them; a
+    modulo codec's probe of exactly its size, finite."""
     code, why = _check_specs(fingerprint_got, specs, total_bytes, expected_specs=expected_specs,
                              fingerprint=fingerprint, max_bytes=max_bytes)
     if code != Code.OK:
@@ -128,11 +129,19 @@ def _check_exchange(fingerprint_got: str, codec_name: str, specs: Sequence[Tenso
         theirs = parse_codec(codec_name)
     except CodecError as e:
         return Code.BAD_DTYPE, str(e)
+    if codec is not None and (theirs.modulo or codec.modulo) and theirs != codec:
+        return Code.BAD_DTYPE, (f"codec {theirs.name!r} with ours {codec.name!r}: a modulo codec is decoded against "
+                                "our own codes, so it needs the same on both sides")
     if codec is not None and (theirs.sparse or codec.sparse) and theirs != codec:
         return Code.BAD_DTYPE, f"codec {theirs.name!r} with ours {codec.name!r}: a sparse codec needs the same on both sides"
     want = theirs.payload_bytes([s.numel for s in specs])
     if total_bytes != want:
         return Code.BAD_HEADER, f"total_bytes {total_bytes} != {want} that codec {theirs.name} makes of the specs"
+    if theirs.modulo:
+        try:
+            read_probe(probe, [s.numel for s in specs])
+        except CodecError as e:
+            return Code.BAD_HEADER, f"codec {theirs.name}: {e}"
     return Code.OK, ""
 
 
@@ -143,7 +152,7 @@ def check_request(req: ExchangeRequest, *, expected_specs: Sequence[TensorSpec],
     if req.streams > MAX_STREAMS:
         return Code.BAD_HEADER, f"{req.streams} streams requested, at most {MAX_STREAMS}"
     return _check_exchange(req.fingerprint, req.codec, req.specs, req.total_bytes, expected_specs=expected_specs,
-                           fingerprint=fingerprint, max_bytes=max_bytes, codec=codec)
+                           fingerprint=fingerprint, max_bytes=max_bytes, codec=codec, probe=req.probe)
 
 
 def check_reply(reply: ExchangeReply, *, expected_specs: Sequence[TensorSpec], fingerprint: str,
@@ -153,7 +162,8 @@ def check_reply(reply: ExchangeReply, *, expected_specs: Sequence[TensorSpec], f
     if reply.code != Code.OK:
         return Code.parse(reply.code), reply.message
     return _check_exchange(reply.fingerprint, reply.codec, reply.specs, reply.total_bytes,
-                           expected_specs=expected_specs, fingerprint=fingerprint, max_bytes=max_bytes, codec=codec)
+                           expected_specs=expected_specs, fingerprint=fingerprint, max_bytes=max_bytes, codec=codec,
+                           probe=reply.probe)
 
 
 def check_state_reply(reply: StateReply, *, expected_specs: Sequence[TensorSpec],

@@ -14,6 +14,7 @@ from gasloc.peer.train.model import build_model
 from gasloc.peer.train.outer import make_outer, mix_applied_once
 from gasloc.protocol.averaging import exact_mean, mix
 from gasloc.protocol.codec import parse as codec_parse
+from gasloc.protocol.codec import probe, probe_steps
 from gasloc.protocol.decision import MixJudge
 from gasloc.sim.config import SimConfig
 
@@ -177,6 +178,9 @@ class SimTrainer:
         for ps in partners.values():
             if len(ps) > 1:
                 raise ValueError(f"codec {c.name} is pairwise: one partner a round")
+        if c.modulo:
+            self._modulo_wire(partners)
+            return
         payloads = {}
         for i, ps in partners.items():
             for j in ps:
@@ -192,6 +196,28 @@ class SimTrainer:
                 seed, theirs = payloads[j]
                 self.wire[(i, j)] = [c.decode(p, torch.empty_like(t), seed, fill=t if c.sparse else None)
                                      for p, t in zip(theirs, self.wire[i])]
+
+    def _modulo_wire(self, partners: Mapping[int, list[int]]) -> None:
+        """A modulo codec: each pair sizes its steps from both sides' probes (a live exchange's request and reply
+        carry them), and each side decodes the other's codes against its own tensors and codes; `wire[i]` is i's own
+        tensors (its own wire form), `wire[(i, j)]` = y_i + step d_ij."""
+        c = self.codec
+        numels = [p.numel() for p in self.params[0]]
+        payloads = {}
+        for i, ps in partners.items():
+            for j in ps:
+                seed = hash((self.pair_seed, min(i, j), max(i, j))) & 0x7FFFFFFF
+                steps = probe_steps(c, numels, probe(self.sent[i], seed), probe(self.sent[j], seed))
+                payloads[i] = (seed, steps, [c.encode(t, generator=self.rngs[i], seed=seed, step=st)
+                                             for t, st in zip(self.sent[i], steps)])
+        for i, ps in partners.items():
+            if ps:
+                self.wire[i] = self.sent[i]
+            for j in ps:
+                seed, steps, mine = payloads[i]
+                theirs = payloads[j][2]
+                self.wire[(i, j)] = [c.decode(p, torch.empty_like(t), seed, fill=t, ref=r, step=st)
+                                     for p, r, t, st in zip(theirs, mine, self.sent[i], steps)]
 
     def _guarded(self, i: int, theirs: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
         """Worker i's partners' tensors after its mix decision (protocol/decision.py), as a live peer's: clipped

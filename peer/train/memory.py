@@ -306,7 +306,7 @@ def _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device, stag
     decoded copy of our wire form, the partner's payload and its decoded tensors), then the daemon's steps: the
     received tensors on the device, a partner's batch check, the in-place symmetric mix, the outer step."""
     from gasloc.protocol.averaging import group_mean_weight, mix_pair_
-    from gasloc.protocol.codec import parse
+    from gasloc.protocol.codec import parse, probe, probe_steps
     from gasloc.protocol.messages import TensorSpec
 
     if staging_cls is None:
@@ -316,7 +316,11 @@ def _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device, stag
         return
     codec = parse(cfg.exchange.codec)
     staging = staging_cls([TensorSpec.of(tuple(t.shape), t.dtype) for t in sent], codec)
-    payload = staging.encode(sent, seed=0)
+    steps = None
+    if codec.modulo:   # with ourselves both probes agree (the smallest step): the buffers, not the values, count here
+        own_probe = probe(sent, 0)
+        steps = probe_steps(codec, [t.numel() for t in sent], own_probe, own_probe)
+    payload = staging.encode(sent, seed=0, steps=steps)
     own_wire = staging.own_wire(payload, sent, seed=0)
     idle = outer.idle_buffers()
     if idle is not None and device.type == "cpu":  # as the daemon: the partner's tensors land in the anchor
@@ -328,7 +332,10 @@ def _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device, stag
     else:
         for o, t in zip(out, sent):
             o.copy_(t)
-    staging.decode(codec, bufs, out, 0, own_wire if codec.sparse else None)
+    if codec.modulo:   # the partner's codes against our own tensors and our own codes
+        staging.decode(codec, bufs, out, 0, sent, payload, steps)
+    else:
+        staging.decode(codec, bufs, out, 0, own_wire if codec.sparse else None)
     received = [t.to(device) for t in out]
     wire = None if own_wire is None else [t.to(device) for t in own_wire]
     if len(received) == len(params):

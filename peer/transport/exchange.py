@@ -2,9 +2,11 @@
 
 Protocol (initiator I, responder R), on a control stream plus n-1 extra streams ("lanes", see lanes.py):
 
-    I -> R  ExchangeRequest header (fingerprint, codec, specs, total_bytes, n); nothing else until R answers
+    I -> R  ExchangeRequest header (fingerprint, codec, specs, total_bytes, n; a modulo codec: a probe seed and
+            I's values at those positions); nothing else until R answers
     R -> I  ExchangeReply header: a Code; with OK, R's own codec, specs, a token and a seed (a seeded codec's
-            blocks or dither)                                                               (I waits at most accept_timeout_s)
+            blocks or dither; a modulo codec: R's values at I's probe positions, from which both size the step)
+                                                                                            (I waits at most accept_timeout_s)
     I -> R  n-1 lane streams, each presenting the token
     I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors
     I <-> R one verdict byte each on the control stream: OK, or why the partner's tensors were discarded
@@ -61,7 +63,18 @@ from gasloc.peer.transport.staging import Staging
 from gasloc.peer.transport.tensor_io import in_thread
 from gasloc.protocol.auth import EXCHANGE_ANSWER, EXCHANGE_CALL, PROOF_HEX_CHARS, proof_ok, stream_proof
 from gasloc.protocol.buckets import WIDEST_HINTS, PeerHint, from_wire, wire_hints
-from gasloc.protocol.codec import DEFAULT_CODEC, MAX_CODEC_CHARS, Codec, CodecError, check_name
+from gasloc.protocol.codec import (
+    DEFAULT_CODEC,
+    MAX_CODEC_CHARS,
+    Codec,
+    CodecError,
+    check_name,
+    probe,
+    probe_numel,
+    probe_steps,
+    probe_text,
+    read_probe,
+)
 from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
@@ -98,7 +111,9 @@ class ExchangeConfig(BaseModel):
     codec: str = Field(DEFAULT_CODEC, max_length=MAX_CODEC_CHARS, description="wire codec of what we send "
                        "(protocol/codec.py, docs/codecs.md): float32 (lossless), float16, bfloat16, or "
                        "int<bits>[-b<block>][-p<pct>][-sr|-rn|-sd] (blockwise; -p: seeded sparse, partners must use the "
-                       "same); partners may send in another codec, the state download is always lossless")
+                       "same), or mod<bits>[-p<pct>][-sd] (the difference to the partner, modulo 2^bits, decoded "
+                       "against our own tensors; partners must use the same); partners may send in another "
+                       "codec, the state download is always lossless")
     max_message_bytes: int | None = Field(None, gt=0, description="cap on the payload a partner may declare; "
                                           "default: our own tensors at float32, the most a compatible peer sends")
     chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="bytes per write before waiting for the "
@@ -247,14 +262,16 @@ class Exchanger:
         self.codec: Codec = parse_codec(cfg.codec)
         self.staging = Staging(self.specs, self.codec)
         # the longest header we read: our own request or reply for these specs, fully filled, plus slack
+        probe_chars = -(-4 * probe_numel(self.staging.numels) // 3) * 4   # a modulo codec's probe, in base64
         widest = ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint="f" * 128, round=2**62,
                                  codec="c" * MAX_CODEC_CHARS, specs=tuple(self.specs), total_bytes=2**62,
-                                 streams=MAX_STREAMS, auth="a" * PROOF_HEX_CHARS, peers=WIDEST_HINTS)
+                                 streams=MAX_STREAMS, auth="a" * PROOF_HEX_CHARS, peers=WIDEST_HINTS,
+                                 probe_seed=2**63 - 1, probe="p" * probe_chars)
         self.max_header_bytes = max(header_cap(widest.model_copy(update={"member": WIDEST_MEMBER})), header_cap(
             ExchangeReply(protocol_version=PROTOCOL_VERSION, code=0, message="m" * 512, fingerprint=widest.fingerprint,
                           round=widest.round, codec=widest.codec, specs=widest.specs, seed=2**63 - 1,
                           total_bytes=widest.total_bytes, token="t" * 64, auth=widest.auth, peers=WIDEST_HINTS,
-                          members=WIDEST_MEMBERS)))
+                          members=WIDEST_MEMBERS, probe=widest.probe)))
         self.rejected_unread = 0       # callers closed before a byte was read (over the handler cap)
         self._offer: _Offer | None = None
         self._prep: set[asyncio.Task] = set()           # offers' encodings started at offer()
@@ -408,12 +425,18 @@ class Exchanger:
                     _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, self.handler_name)
                     channels.append(Channel.take_over(reader, writer))
                     phase = "handshake"
+                    probe_seed, own_probe = 0, None
+                    if self.codec.modulo:   # our values at positions of our choosing: the pair's distance sizes the step
+                        probe_seed = random.getrandbits(63)
+                        own_probe = await in_thread(probe, offer.tensors, probe_seed)
                     request = ExchangeRequest(protocol_version=PROTOCOL_VERSION, fingerprint=self.fingerprint,
                                               round=offer.round, codec=self.codec.name,
                                               specs=tuple(self.specs), total_bytes=total, streams=lanes,
                                               auth=self._proof(EXCHANGE_CALL, me, partner),
                                               peers=wire_hints(self.hints_out(partner)), member=self.member_out(),
-                                              members_wanted=MAX_WIRE_MEMBERS if self.members_in else 0)
+                                              members_wanted=MAX_WIRE_MEMBERS if self.members_in else 0,
+                                              probe_seed=probe_seed,
+                                              probe=probe_text(own_probe) if own_probe is not None else "")
                     await channels[0].write(encode_header(request))
                     reply = await read_header(channels[0], ExchangeReply, self.max_header_bytes)
                     if reply.code != int(Code.NOT_MEMBER):   # a BUSY answer tells us of others, too
@@ -430,13 +453,17 @@ class Exchanger:
                         # it accepted without proving the key: it is no member of our private swarm, it gets
                         # none of our bytes
                         return result(Outcome.rejected, Code.NOT_AUTHORIZED, "partner did not prove the swarm key")
+                    steps = None
+                    if own_probe is not None:   # checked with the reply: its size and finite values
+                        steps = probe_steps(self.codec, self.staging.numels, own_probe,
+                                            read_probe(reply.probe, self.staging.numels))
                     if lanes > 1:
                         if not reply.token:
                             return result(Outcome.rejected, Code.BAD_HEADER, "OK reply without a lane token")
                         phase = "opening lanes"
                         channels += await open_lanes(self.p2p, peer_id, self.lane_name, reply.token, lanes)
                 phase = "transfer"
-                tensors, own, code, why = await self._duplex(channels, offer, reply.codec, reply.seed, eng)
+                tensors, own, code, why = await self._duplex(channels, offer, reply.codec, reply.seed, eng, steps)
                 if code != Code.OK:
                     return result(Outcome.rejected, code, why)
                 offer.used = True
@@ -444,7 +471,7 @@ class Exchanger:
                 r.own_wire, r.codec = own, f"{self.codec.name}/{reply.codec}"
                 self._remember_rate(partner, r)
                 return r
-        except (TimeoutError, WireError, *STREAM_ERRORS) as e:
+        except (TimeoutError, WireError, CodecError, *STREAM_ERRORS) as e:
             outcome, code, detail = _failure(e, phase)
             return result(outcome, code, detail)
         finally:
@@ -556,21 +583,27 @@ class Exchanger:
         token, lane_waiters = self._lanes.expect(partner, request.streams)
         try:
             async with asyncio.timeout(self.cfg.exchange_timeout_s):
+                steps, own_probe = None, None
+                if self.codec.modulo:   # our values at the caller's positions (its own were checked with the request)
+                    own_probe = await in_thread(probe, offer.tensors, request.probe_seed)
+                    steps = probe_steps(self.codec, self.staging.numels, own_probe,
+                                        read_probe(request.probe, self.staging.numels))
                 reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(Code.OK),
                                       fingerprint=self.fingerprint, round=offer.round, codec=self.codec.name,
                                       specs=tuple(self.specs), seed=seed,
                                       total_bytes=self.staging.payload_bytes(), token=token,
                                       auth=self._proof(EXCHANGE_ANSWER, partner, me),
-                                      peers=wire_hints(self.hints_out(partner)))
+                                      peers=wire_hints(self.hints_out(partner)),
+                                      probe=probe_text(own_probe) if own_probe is not None else "")
                 await ch.write(encode_header(reply))
                 if lane_waiters:
                     phase = "waiting for lanes"
                     async with asyncio.timeout(self.cfg.accept_timeout_s):
                         channels += await asyncio.gather(*lane_waiters)
                 phase = "transfer"
-                tensors, own, code, detail = await self._duplex(channels, offer, request.codec, seed, eng)
+                tensors, own, code, detail = await self._duplex(channels, offer, request.codec, seed, eng, steps)
                 outcome = Outcome.ok if code == Code.OK else Outcome.rejected
-        except (TimeoutError, WireError, *STREAM_ERRORS) as e:
+        except (TimeoutError, WireError, CodecError, *STREAM_ERRORS) as e:
             outcome, code, detail = _failure(e, phase)
         finally:
             self._engagement = None
@@ -593,18 +626,21 @@ class Exchanger:
         self._rates.pop(partner, None)
         self._rates[partner] = max(r.bytes_sent, r.bytes_received) / max(r.seconds, 1e-6)
 
-    async def _wire_tensors(self, offer: _Offer, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    async def _wire_tensors(self, offer: _Offer, seed: int, steps: list[float] | None = None
+                            ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Our payload in our codec and our own wire form, encoded in a worker thread once per offer (a seeded
-        codec: once per exchange, its blocks or its dither drawn from the exchange's seed)."""
+        codec: once per exchange, its blocks or its dither drawn from the exchange's seed, a modulo codec's steps
+        from both sides' probes)."""
         async with self._encode_lock:
             if offer.wire is None or self.codec.seeded:
                 def encode():
-                    wire = self.staging.encode(offer.tensors, seed)
+                    wire = self.staging.encode(offer.tensors, seed, steps)
                     return wire, self.staging.own_wire(wire, offer.tensors, seed)
                 offer.wire, offer.own = await in_thread(encode)
             return offer.wire, offer.own
 
-    async def _duplex(self, channels: list[Channel], offer: _Offer, their_codec: str, seed: int, eng: _Engagement
+    async def _duplex(self, channels: list[Channel], offer: _Offer, their_codec: str, seed: int, eng: _Engagement,
+                      steps: list[float] | None = None
                       ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, Code, str]:
         """Send ours and receive theirs at once over all lanes, then trade verdicts on the control stream.
         Returns (their tensors decoded, our own wire form, OK, "") only when both sides accepted; otherwise
@@ -613,13 +649,14 @@ class Exchanger:
             codec = parse_codec(their_codec)   # checked with the header; parsed again, from the cache
         except CodecError as e:
             return None, None, Code.BAD_DTYPE, str(e)
-        ours, own = await self._wire_tensors(offer, seed)
+        ours, own = await self._wire_tensors(offer, seed, steps)
         # every buffer is sized from OUR specs (validated equal to theirs) and the codec: a partner cannot make us
         # allocate more
         bufs, out = self.staging.receive_buffers(codec)
         await move(channels, ours, bufs, self.cfg.chunk_bytes)
         fill = own if own is not None else offer.tensors
-        bad = await in_thread(self.staging.decode, codec, bufs, out, seed, fill)
+        bad = await in_thread(self.staging.decode, codec, bufs, out, seed, fill, ours if codec.modulo else None,
+                              steps)
         ch = channels[0]
         verdict = Code.NOT_FINITE if bad else Code.OK
         eng.verdict_sent = True

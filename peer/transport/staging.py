@@ -47,17 +47,18 @@ class Staging:
         return codec.cast is not None and all(t.dtype == codec.cast and t.device.type == "cpu" for t in tensors)
 
     @torch.no_grad()
-    def encode(self, tensors: Sequence[torch.Tensor], seed: int | None = None) -> list[torch.Tensor]:
+    def encode(self, tensors: Sequence[torch.Tensor], seed: int | None = None,
+               steps: Sequence[float] | None = None) -> list[torch.Tensor]:
         """Our payload: one tensor per spec whose raw memory goes on the wire (reused buffers, valid until the
-        next encode)."""
+        next encode). `steps`: a modulo codec's agreed step per tensor."""
         c = self.codec
         if self._zero_copy(c, tensors):
             return [t.detach().reshape(-1) for t in tensors]
         if self._send is None:
             pin = any(t.device.type == "cuda" for t in tensors) and torch.cuda.is_available()
             self._send = [torch.empty(c.tensor_bytes(n), dtype=torch.uint8, pin_memory=pin) for n in self.numels]
-        for t, buf in zip(tensors, self._send):
-            c.encode(t, buf, generator=self._rng, seed=seed)
+        for k, (t, buf) in enumerate(zip(tensors, self._send)):
+            c.encode(t, buf, generator=self._rng, seed=seed, step=steps[k] if steps is not None else None)
         if any(t.device.type == "cuda" for t in tensors):
             torch.cuda.synchronize()  # the non-blocking copies into pinned memory have landed
         return self._send
@@ -65,8 +66,9 @@ class Staging:
     @torch.no_grad()
     def own_wire(self, payload: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor],
                  seed: int | None = None) -> list[torch.Tensor] | None:
-        """Q(y_i): our payload as the partner decodes it (None: lossless, our tensors themselves)."""
-        if self.codec.lossless:
+        """Q(y_i): our payload as the partner decodes it (None: our tensors themselves, with a lossless codec, and
+        with a modulo codec, whose decoded partner is our tensors plus a rounded difference)."""
+        if self.codec.lossless or self.codec.modulo:
             return None
         if self._own is None:
             self._own = [torch.empty(s.shape, dtype=d) for s, d in zip(self.specs, self.dtypes)]
@@ -92,13 +94,16 @@ class Staging:
 
     @torch.no_grad()
     def decode(self, codec: Codec, bufs: Sequence[torch.Tensor], out: Sequence[torch.Tensor], seed: int | None,
-               fill: Sequence[torch.Tensor] | None) -> list[int]:
-        """The partner's payload into `out` (a sparse codec over `fill`, our own wire form); the indices of the
-        tensors with a NaN or Inf after decoding."""
+               fill: Sequence[torch.Tensor] | None, ref: Sequence[torch.Tensor] | None = None,
+               steps: Sequence[float] | None = None) -> list[int]:
+        """The partner's payload into `out` (a sparse codec over `fill`, our own wire form; a modulo codec against
+        `fill`, our tensors, and `ref`, our payload, with the agreed `steps`); the indices of the tensors with a NaN
+        or Inf after decoding."""
         bad = []
         for i, (b, o) in enumerate(zip(bufs, out)):
             if b is not o:
-                codec.decode(b, o, seed, fill=fill[i] if fill is not None else None)
+                codec.decode(b, o, seed, fill=fill[i] if fill is not None else None,
+                             ref=ref[i] if ref is not None else None, step=steps[i] if steps is not None else None)
             if not is_finite(o):
                 bad.append(i)
         return bad

@@ -16,6 +16,7 @@ from gasloc.peer.transport.exchange import ExchangeConfig, Exchanger, Outcome
 from gasloc.protocol.averaging import mix_pair_
 from gasloc.protocol.buckets import PeerHint
 from gasloc.protocol.codec import parse as parse_codec
+from gasloc.protocol.codec import RANGE_RMS, probe_numel, probe_text
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     PROTOCOL_VERSION,
@@ -35,6 +36,7 @@ NS = "xtest"
 FP = fingerprint(preset="test", seq_len=16)
 SHAPES = [(300, 500), (77,), ()]
 SPECS = specs_of([(s, "float32") for s in SHAPES])
+NUMELS = [math.prod(s) for s in SHAPES]
 
 
 def tensors(seed, shapes=SHAPES):
@@ -132,6 +134,60 @@ def test_exchange_codecs_decode_and_mix_keeps_the_pair_mean(codec_a, codec_b):
                 assert sum(float((x - y).norm()) for x, y in zip(za, zb)) < 0.5 * before
             want = parse_codec(codec_a).payload_bytes([math.prod(s) for s in SHAPES])
             assert want < res.bytes_sent < want + 4096 * 8
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", ["mod4", "mod3-sd", "mod4-p25"])
+def test_modulo_codec_decodes_the_partner_against_our_own_tensors(codec):
+    """A modulo codec (protocol/codec.py): both sides size the step from the probes their headers carried, send
+    their codes modulo 2^b and decode the partner's against their own tensors. Each side gets the partner's tensors
+    to within a step where the pair is close (here 1 % of a weight apart), its own wire form is its tensors
+    (own_wire None), the symmetric mix keeps the pair's mean and brings the pair together, and the payload is b bits
+    a value."""
+    async def main():
+        async with p2p_nodes(2) as (a, b):
+            ea, eb = exchanger(a, codec=codec, min_stream_bytes=1 << 12), exchanger(b, codec=codec)
+            await ea.start(), await eb.start()
+            ta = tensors(1)
+            tb = [t + 0.01 * n for t, n in zip(ta, tensors(2))]
+            ea.offer(ta, 0), eb.offer(tb, 0)
+            res = await ea.exchange(b.peer_id)
+            inc = await eb.wait_incoming(5)
+            assert res.ok and inc.ok, (res.detail, inc and inc.detail)
+            assert res.own_wire is None and inc.own_wire is None
+            c = parse_codec(codec)
+            for got, sent, own in ((res.tensors, tb, ta), (inc.tensors, ta, tb)):
+                err = torch.cat([(x - y).reshape(-1) for x, y in zip(got, sent)]).abs()
+                if c.sparse:   # blocks not sent decode to our own tensors
+                    err = torch.cat([(x - y).reshape(-1) for x, y in zip(got, own)]).abs()
+                    assert 0 < float((err == 0).float().mean()) < 1
+                    continue
+                # a step is RANGE_RMS RMS of the difference / 2^(b-1) (the difference's RMS is 0.01, estimated from
+                # 64 probe values a tensor); each side's stochastic rounding is off by less than one step
+                assert float((err < 2.5 * 0.01 * RANGE_RMS / (1 << (c.bits - 1))).float().mean()) > 0.995
+            mean_before = [(x + y) / 2 for x, y in zip(ta, tb)]
+            za = mix_pair_([t.clone() for t in res.tensors], ta, None, 0.5)
+            zb = mix_pair_([t.clone() for t in inc.tensors], tb, None, 0.5)
+            for x, y, m in zip(za, zb, mean_before):
+                assert torch.allclose((x + y) / 2, m, atol=1e-6, rtol=0)
+            before = sum(float((x - y).norm()) for x, y in zip(ta, tb))
+            after = sum(float((x - y).norm()) for x, y in zip(za, zb))
+            assert after < (0.5 if not c.sparse else 0.95) * before
+            want = c.payload_bytes([math.prod(s) for s in SHAPES])
+            assert want < res.bytes_sent < want + 4096 * 8
+            # a partner in another codec cannot be decoded against our own codes: refused before any payload
+            ec = exchanger(a, codec="int8")
+            ec.offer(ta, 0)
+            eb.offer(tb, 1)
+            res = await ec.exchange(b.peer_id)
+            assert res.code == Code.BAD_DTYPE and "modulo" in res.detail, res
+            # a probe that is not base64, of the wrong size, or not finite: refused before any payload
+            size = c.payload_bytes(NUMELS)
+            for bad in ("!!", probe_text(torch.zeros(3)), probe_text(torch.full((probe_numel(NUMELS),), math.nan))):
+                reply = await raw_request(a, b.peer_id, request_frame(codec=codec, total_bytes=size, probe=bad))
+                assert Code(reply.code) == Code.BAD_HEADER and "probe" in reply.message, reply
+            assert await eb.wait_incoming(0) is None
     arun(main())
 
 

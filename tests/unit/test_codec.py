@@ -6,7 +6,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gasloc.protocol.averaging import mix_pair_
-from gasloc.protocol.codec import DEFAULT_CODEC, CodecError, parse
+from gasloc.protocol.codec import (
+    DEFAULT_CODEC,
+    MIN_STEP,
+    CodecError,
+    parse,
+    probe,
+    probe_numel,
+    probe_steps,
+    probe_text,
+    read_probe,
+)
 
 
 def tensors(seed, numels=(300 * 500, 77, 1, 64, 4096)):
@@ -80,7 +90,7 @@ def test_sparse_codec_sends_the_same_blocks_for_a_seed_and_decodes_over_the_fill
 
 
 @pytest.mark.parametrize("bad", ["int5", "int4-b7", "int4-b8192", "int4-p0", "float64", "int4-xx", "", "i" * 40,
-                                 "int4-p100"])
+                                 "int4-p100", "mod5", "mod4-rn", "mod4-b128", "mod1", "mod4-p0"])
 def test_unknown_or_malformed_codec_names_say_why(bad):
     with pytest.raises(CodecError):
         parse(bad)
@@ -147,3 +157,113 @@ def test_shared_dither_rounds_a_close_pair_alike_and_needs_the_seed():
     assert (mean - y[:640]).abs().max() < 0.002                            # unbiased over seeds
     with pytest.raises(CodecError, match="seed"):
         c.encode(y)
+
+
+def _modulo_pair(name, ya, yb, seed=7, gen_seed=0):
+    """Both sides of one modulo exchange: steps from both probes, codes, each side's decoding of the other's."""
+    c = parse(name)
+    numels = [t.numel() for t in ya]
+    steps = probe_steps(c, numels, probe(ya, seed), probe(yb, seed))
+    assert steps == probe_steps(c, numels, probe(yb, seed), probe(ya, seed))   # both sides, bit for bit
+    g = torch.Generator().manual_seed(gen_seed)
+    pa = [c.encode(t, generator=g, seed=seed, step=s) for t, s in zip(ya, steps)]
+    pb = [c.encode(t, generator=g, seed=seed, step=s) for t, s in zip(yb, steps)]
+    at_a = [c.decode(p, torch.empty_like(t), seed, fill=t, ref=r, step=s) for p, r, t, s in zip(pb, pa, ya, steps)]
+    at_b = [c.decode(p, torch.empty_like(t), seed, fill=t, ref=r, step=s) for p, r, t, s in zip(pa, pb, yb, steps)]
+    return c, steps, at_a, at_b
+
+
+@pytest.mark.parametrize("name,bits,bpp", [("mod4", 4, 4.0), ("mod3", 3, 3.0), ("mod2", 2, 2.0), ("mod8", 8, 8.0),
+                                           ("mod4-p25", 4, 1.0), ("mod2-p50", 2, 1.0), ("mod4-sd", 4, 4.0)])
+def test_modulo_sizes_are_exact_golden_numbers(name, bits, bpp):
+    """No scales travel (the step comes from the probes in the headers): b bits a value, times the share sent."""
+    c = parse(name)
+    assert c.modulo and c.seeded and c.bits == bits and not c.lossless
+    assert c.bits_per_param([64 * 1000]) == pytest.approx(bpp)
+    assert c.encode(torch.zeros(64 * 1000), seed=1, step=0.1).numel() == c.tensor_bytes(64 * 1000)
+
+
+@pytest.mark.parametrize("name", ["mod4", "mod3-sd", "mod2", "mod4-p25"])
+def test_modulo_pair_keeps_its_mean_exactly_also_where_a_coordinate_wrapped(name):
+    """Each side decodes d = the partner's codes minus its own, modulo 2^b; the other side reads -d from the same
+    two codes, so z_i + z_j = y_i + y_j to float rounding even for coordinates further apart than the range (here
+    one in a hundred is moved far past it)."""
+    ya = tensors(4)
+    yb = [t + torch.randn_like(t) * 0.0005 for t in ya]
+    yb[0][::100] += 0.5
+    c, steps, at_a, at_b = _modulo_pair(name, ya, yb)
+    za = mix_pair_([t.clone() for t in at_a], ya, None, 0.5)
+    zb = mix_pair_([t.clone() for t in at_b], yb, None, 0.5)
+    for x, y, a, b in zip(za, zb, ya, yb):
+        assert torch.allclose(x + y, a + b, atol=1e-7, rtol=0)
+    # what a side decodes is its own tensor moved by whole steps, at most 2^(b-1) - 1 of them
+    half = 1 << (c.bits - 1)
+    for got, own, s in zip(at_a, ya, steps):
+        d = (got - own) / s
+        assert torch.allclose(d, d.round(), atol=1e-3) and float(d.abs().max()) <= half - 1 + 1e-3
+
+
+def test_modulo_decodes_the_partner_to_within_a_step_where_the_pair_is_close():
+    """RANGE_RMS RMS of the pair's difference span the range: nearly every coordinate decodes to within two steps
+    (each side's stochastic rounding is off by less than one), unbiased, far finer than int4 on the weights."""
+    ya = tensors(4)
+    yb = [t + torch.randn_like(t) * 0.0005 for t in ya]
+    c, steps, at_a, _ = _modulo_pair("mod4", ya, yb)
+    err = torch.cat([(x - y).reshape(-1) for x, y in zip(at_a, yb)])
+    big = torch.cat([torch.full((t.numel(),), s) for t, s in zip(ya, steps)])
+    assert float((err.abs() < 2 * big).float().mean()) > 0.999
+    assert abs(float(err.mean())) < 1e-5
+    int4 = parse("int4")
+    q = torch.cat([int4.decode(int4.encode(t), torch.empty_like(t)).reshape(-1) - t.reshape(-1) for t in yb])
+    assert float(err.norm()) < 0.2 * float(q.norm())
+
+
+def test_modulo_needs_its_step_seed_and_own_codes_and_probes_are_checked():
+    c = parse("mod4")
+    y = torch.randn(640)
+    with pytest.raises(CodecError, match="step"):
+        c.encode(y, seed=1)
+    with pytest.raises(CodecError, match="step"):
+        c.encode(y, seed=1, step=float("nan"))
+    p = c.encode(y, seed=1, step=0.1)
+    with pytest.raises(CodecError, match="own"):
+        c.decode(p, torch.empty(640), 1, fill=y, step=0.1)           # no own payload to decode against
+    with pytest.raises(CodecError, match="seed"):
+        parse("mod4-sd").encode(y, step=0.1)
+    numels = [640, 3]
+    good = probe([y, torch.ones(3)], 5)
+    assert good.numel() == probe_numel(numels) == 64 + 3
+    assert torch.equal(read_probe(probe_text(good), numels), good)
+    for bad, why in (("!!", "base64"), (probe_text(good[:-1]), "bytes"),
+                     (probe_text(torch.full((67,), float("inf"))), "finite")):
+        with pytest.raises(CodecError, match=why):
+            read_probe(bad, numels)
+    # identical tensors: the step falls to its floor and every coordinate decodes to our own
+    steps = probe_steps(c, numels, good, good.clone())
+    assert steps == [MIN_STEP, MIN_STEP]
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(["mod4", "mod3", "mod2-p50", "mod8"]), numel=st.integers(1, 700), data=st.data())
+def test_any_modulo_payload_of_the_right_size_decodes_within_the_range(name, numel, data):
+    """A hostile partner controls every code: whatever it sends, what we decode is our own tensor moved by at most
+    2^(b-1) - 1 steps a coordinate (its pull is bounded by the range), never NaN."""
+    c = parse(name)
+    n = c.tensor_bytes(numel)
+    raw = torch.tensor(list(data.draw(st.binary(min_size=n, max_size=n))), dtype=torch.uint8)
+    own = torch.randn(numel)
+    ref = c.encode(own, seed=3, step=0.01)
+    out = c.decode(raw, torch.empty(numel), 3, fill=own, ref=ref, step=0.01)
+    assert bool(torch.isfinite(out).all())
+    assert float((out - own).abs().max()) <= ((1 << (c.bits - 1)) - 1) * 0.01 * (1 + 1e-5) + 1e-6
+
+
+def test_doctor_names_the_codec_its_bits_and_that_a_modulo_codec_pairs_only_with_itself(tmp_path):
+    from gasloc.cli.doctor_checks import check_codec
+    cfg = tmp_path / "peer.toml"
+    cfg.write_text('[model]\npreset = "tiny"\n[exchange]\ncodec = "mod4"\n')
+    c = check_codec(cfg)
+    assert c.status == "OK" and "mod4: 4.00 bits a parameter" in c.detail and "only with peers that send mod4" in c.detail
+    cfg.write_text('[exchange]\ncodec = "mod5"\n')
+    c = check_codec(cfg)
+    assert c.status == "FAIL" and "mod5" in c.detail

@@ -188,3 +188,11 @@ def test_staging_release_drops_every_kept_buffer_and_the_next_exchange_allocates
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(own2, own))
     assert all(torch.allclose(a, t, atol=0.05) for a, t in zip(own2, ts))
     del kept
+
+
+@pytest.mark.parametrize("codec", ["mod4-sd", "int8-p10", "float32"])
+def test_the_dry_run_exchanges_through_every_kind_of_codec(codec):
+    """The start-up dry run sends and decodes through the exchange's own staging, also with a codec that needs the
+    exchange's seed or its probes (a modulo codec decodes against our own tensors and codes)."""
+    cfg = cfg_of(model__preset="micro", exchange__codec=codec)
+    assert dry_run(cfg, 256, torch.device("cpu"), Staging) > 0

@@ -225,6 +225,12 @@ class RunConfig(_Section):
                                           "outer step) refuses a config whose round does not fit. Unset: the "
                                           "cgroup's limit or the machine's available memory; on CUDA the "
                                           "device's free memory")
+    compact_host_heap: bool = Field(False, description="on the CPU, give every tensor of 128 KB or more a "
+                                    "mapping of its own (glibc's mmap threshold), so memory one phase of a round "
+                                    "frees goes back to the kernel: 8.8 -> 6.4 parameter copies at the round's peak "
+                                    "(bench/host_memory.py, int8), at a page fault per fresh 4 KB (an inner step "
+                                    "43-57 % slower on the tiny and small presets at their default batch; "
+                                    "docs/gpu.md)")
 
 
 class FaultConfig(_Section):

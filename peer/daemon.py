@@ -205,7 +205,7 @@ class Peer:
         self.device = pick_device(cfg.run.device)
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
-        if self.device.type == "cpu":  # before the dry run and the model: large tensors in mappings of their own
+        if self.device.type == "cpu" and cfg.run.compact_host_heap:   # before the dry run and the model
             compact_host_heap()
         refusal = oom_refusal(self.run_dir, cfg, self.device)  # before anything starts: no crash loop
         if refusal is not None:

@@ -188,9 +188,10 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int = 0) -> LlamaLM:
         return LlamaLM(cfg, vocab_size)
 
 
-# What bench/host_memory.py measured for a live CPU peer's per-round peak (small -> medium, int8 codec, 2026-12-05:
-# 6.4 copies, of which the exchange's buffers 2.5; docs/gpu.md): the README's preset table and `gasloc presets`.
-MEASURED_ROUND_COPIES = 6.4
+# What bench/host_memory.py measured for a live CPU peer's per-round peak with the defaults (small -> medium, int8
+# codec, 2026-12-05: 8.8 copies, of which the exchange's buffers 2.5; 6.4 with run.compact_host_heap; docs/gpu.md):
+# the README's preset table and `gasloc presets`.
+MEASURED_ROUND_COPIES = 8.8
 
 
 def preset_table(vocab_sizes: tuple[int, ...] = (256, 32000)) -> list[dict]:

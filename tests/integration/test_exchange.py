@@ -15,8 +15,8 @@ from gasloc.peer.transport.channel import Channel, read_header
 from gasloc.peer.transport.exchange import ExchangeConfig, Exchanger, Outcome
 from gasloc.protocol.averaging import mix_pair_
 from gasloc.protocol.buckets import PeerHint
-from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.codec import RANGE_RMS, probe_numel, probe_text
+from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     PROTOCOL_VERSION,

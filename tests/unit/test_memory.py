@@ -152,7 +152,7 @@ FREED_BIG_TENSORS = textwrap.dedent("""
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc are Linux's")
 def test_a_cpu_peers_freed_large_tensors_go_back_to_the_kernel():
-    """compact_host_heap (the daemon calls it on a CPU peer): tensors that one phase frees leave the resident set
+    """compact_host_heap (a CPU peer with run.compact_host_heap): tensors that one phase frees leave the resident set
     at once, instead of staying in glibc's heap, where another phase's tensors of other sizes would not fit."""
     out = subprocess.run([sys.executable, "-c", FREED_BIG_TENSORS, "compact"], capture_output=True, text=True,
                          timeout=120, check=True)

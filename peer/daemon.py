@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,6 +161,7 @@ class Peer:
         self._resumed = False  # started from our own checkpoint: maybe far behind a swarm that went on
         self._far = FarStreak(cfg.guard.catch_up_after_rejections)  # our recent far rejections in a row
         self._catch_up: str | None = None  # why the guard's verdicts say we should download the swarm's state
+        self._donors_first: tuple[str, ...] = ()  # DiLoCo, our group's model held by another: ask them first
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -238,7 +240,8 @@ class Peer:
         self._far = self.guard.streak  # one far-rejection streak: the judge's
         self.val_batches = self.data.val_batches()
         # tests only (peer/fault.py; a no-op otherwise); the hostile bias modes size their offers from our guard's tau
-        self.fault = make_fault(cfg.fault, self.params, seen=lambda: guard_seen(self.guard))
+        self.fault = make_fault(cfg.fault, self.params, seen=lambda: guard_seen(self.guard),
+                                anchor=lambda: self.outer.anchor)
 
         self.averaging = self._make_averaging()  # DiLoCo forks its averager here (main thread)
         self._install_signals()  # hivemind's averager start sets SIGINT to SIG_IGN in this process
@@ -305,7 +308,7 @@ class Peer:
             return None
         return self._adopt_swarm_state()
 
-    def _adopt_swarm_state(self) -> str | None:
+    def _adopt_swarm_state(self, donors_first: Collection[str] = ()) -> str | None:
         """Download the swarm's parameters and round and take them over; the donor's id (the transport's), or None
         when no donor delivered. Our inner optimizer and data position stay ours, and so does our outer state: it
         is reset to the adopted parameters (a donor's momentum is never adopted: a shifted z_prev would jump the
@@ -323,7 +326,7 @@ class Peer:
         states: list[tuple[str, int, list[torch.Tensor], float]] = []   # (donor, round, params, loss) that passed
         outer_of: dict[str, list[torch.Tensor]] = {}  # DiLoCo: each donor's outer state (its momentum)
         for _ in range(swarm.join_donor_pool + (1 if swarm.join_cross_check else 0)):
-            got = self.net.download_state(self.params, self.outer, exclude=tried)
+            got = self.net.download_state(self.params, self.outer, exclude=tried, first=donors_first)
             if got is None:
                 break
             donor, metadata, params = got
@@ -343,9 +346,14 @@ class Peer:
             return None
         donor, _, params, _ = states[0]
         if len(states) == 2:
-            (a, _, pa, la), (b, _, pb, lb) = states
+            (a, ra, pa, la), (b, rb, pb, lb) = states
             check = cross_check(relative_distance(pb, pa), la, lb, agree=swarm.join_agree)
-            donor, params = (a, pa) if check.first else (b, pb)
+            first = check.first
+            if check.agreed and not self.outer.solo_steps:
+                # DiLoCo: two checked states of one model a few epochs apart; the later one, or we are behind at
+                # once (a joiner that took a donor 3 epochs back spent 30 s rate-limited at every other donor)
+                first = ra >= rb
+            donor, params = (a, pa) if first else (b, pb)
             log.log(logging.INFO if check.agreed else logging.WARNING, "join: cross-check of %s and %s: %s; "
                     "adopting %s", _short(a), _short(b), check.reason, _short(donor))
         elif swarm.join_cross_check:
@@ -393,15 +401,16 @@ class Peer:
                     "downloading the swarm's state", absent_s, swarm.announce_ttl_s, swarm.resync_after_rounds)
         return self._resync("absent", absent_s=absent_s)
 
-    def _resync(self, reason: str, **detail) -> bool:
+    def _resync(self, reason: str, donors_first: Collection[str] = (), **detail) -> bool:
         """Rejoin like a joiner: download the swarm's state (checked on a local batch) and take over its
         parameters, outer state and round; our inner optimizer and data position stay. True when the state was
         replaced; event `resync` with `reason`: absent (a long stop), behind (resumed or returned far behind
-        the swarm), odd one out (far from several partners in a row)."""
+        the swarm, or a DiLoCo fork: `donors_first`, the members that hold its group's model, are asked first),
+        odd one out (far from several partners in a row)."""
         from_round = self.round
         self._set_state("joining")
         self.net.refresh_listing()
-        donor = self._adopt_swarm_state()
+        donor = self._adopt_swarm_state(donors_first)
         if donor is None:
             log.warning("resync (%s): no state downloaded; mixing our own model back in", reason)
             self._set_state("training")
@@ -436,13 +445,14 @@ class Peer:
     def _catch_up_if_due(self) -> None:
         """At a round boundary: the guard's verdicts this round said we are the far one (catch_up_due)."""
         why, self._catch_up = self._catch_up, None
+        first, self._donors_first = self._donors_first, ()
         if why is not None and self.cfg.swarm.join_from_peers and not self.stopping.is_set():
             log.warning("resync: %s (far from our partners: %s); downloading the swarm's state", why,
                         ", ".join(_short(p) for p, _ in self._far.partners) or "-")
             if self._pending is not None:  # overlap: the exchange in flight carries the old model's tensors
                 self.averaging.settle(self._pending.background)
                 self._pending, self._landed = None, None
-            self._resync(why)
+            self._resync(why, donors_first=first)
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_cfg(self):
@@ -573,7 +583,7 @@ class Peer:
         else:  # DiLoCo without its group's mean: no step, the round does not count (peer/swarm/diloco.py)
             self._at_boundary = True
             if ex.outcome == "behind":  # the swarm stepped without us, or holds another model: take its state
-                self._catch_up = "behind"
+                self._catch_up, self._donors_first = "behind", ex.holders  # (a fork: from the group's model)
         val_loss = evaluate(self.model, self.val_batches, autocast_for(self.device)) if eval_due else None
         self._report(t_start, phase, ex, consensus, outer_s, val_loss)
         self._catch_up_if_due()

@@ -1,6 +1,7 @@
 """TEST FAULT INJECTOR: makes a real `gasloc peer` a hostile volunteer on purpose, so the e2e tests and
 bench/adversary.py can show what the guard (protocol/guard.py) and crash recovery do against one
-(tests/e2e/test_untrusted.py). Driven by the `[fault]` config section (peer/config.py FaultConfig), which no real
+(tests/e2e/test_untrusted.py), and a model that forks from its DiLoCo group (tests/e2e/test_swarm_diloco.py).
+Driven by the `[fault]` config section (peer/config.py FaultConfig), which no real
 peer sets. Kept out of the daemon so the training loop reads the same with or without it: the daemon calls
 `after_step` and `wire` either way (a null object when off).
 
@@ -35,9 +36,11 @@ class NoFault:
 
 class FaultInjector(NoFault):
     def __init__(self, cfg, params: Sequence[torch.Tensor],
-                 seen: Callable[[], tuple[float, float | None]] | None = None):
-        self.cfg, self.params = cfg, list(params)
+                 seen: Callable[[], tuple[float, float | None]] | None = None,
+                 anchor: Callable[[], Sequence[torch.Tensor]] = lambda: ()):
+        self.cfg, self.params, self.anchor = cfg, list(params), anchor
         self.nan_fired = False  # nan_at_round fires once per process, so the recovered peer trains on
+        self.fork_fired = False
         # what our own guard sees: (its tau, the median of our recent partner distances); the bias modes size from it
         self.seen = seen or (lambda: (0.0, None))
         self._uphill: list[torch.Tensor] | None = None  # the round's summed inner gradients (bias = "uphill")
@@ -62,6 +65,17 @@ class FaultInjector(NoFault):
         if self.cfg.oom_at_round == round_in_progress:
             # what torch raises when an allocation fails on the device (CUDA) mid-round
             raise torch.OutOfMemoryError(f"fault: simulated out of memory in round {round_in_progress}")
+        if self.cfg.fork_at_round == round_in_progress and not self.fork_fired:
+            self.fork_fired = True
+            log.warning("fault: the model and its anchor moved by %g x RMS in round %d (a fork)", self.cfg.fork_scale,
+                        round_in_progress)
+            gen = torch.Generator().manual_seed(round_in_progress)
+            for p, a in zip(self.params, self.anchor() or [None] * len(self.params)):
+                shift = (torch.randn(p.shape, generator=gen) * self.cfg.fork_scale).to(p.device, p.dtype)
+                shift.mul_(p.float().pow(2).mean().sqrt().to(p.dtype))
+                p.add_(shift)
+                if a is not None:
+                    a.add_(shift.to(a.device, a.dtype))
         if self.cfg.nan_at_round == round_in_progress and not self.nan_fired:
             self.nan_fired = True
             log.warning("fault: parameters set to NaN in round %d", round_in_progress)
@@ -128,5 +142,6 @@ def guard_seen(guard) -> tuple[float, float | None]:
 
 
 def make_fault(cfg, params: Sequence[torch.Tensor],
-               seen: Callable[[], tuple[float, float | None]] | None = None) -> NoFault:
-    return NoFault() if cfg is None else FaultInjector(cfg, params, seen)
+               seen: Callable[[], tuple[float, float | None]] | None = None,
+               anchor: Callable[[], Sequence[torch.Tensor]] = lambda: ()) -> NoFault:
+    return NoFault() if cfg is None else FaultInjector(cfg, params, seen, anchor)

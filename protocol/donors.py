@@ -66,12 +66,13 @@ def _short(value: Any) -> str:
 
 def pick_donors(believed_rounds: Mapping[str, int], states: Mapping[str, str], tenure_s: Mapping[str, float], *,
                 pool: int, rng: random.Random, exclude: Collection[str] = (),
-                claimed_rounds: Mapping[str, int] | None = None) -> list[str]:
+                claimed_rounds: Mapping[str, int] | None = None, first: Collection[str] = ()) -> list[str]:
     """Donor candidates in the order to try them. `believed_rounds`: peer -> its round as far as we believe it
     (RoundClaims); `states`: peer -> announced state; `tenure_s`: peer -> how long we have seen it (absent: 0);
     `claimed_rounds`: what they announce: a peer that claims more than we believe is no donor (it lies about its
     round, and what else is then not ours to find out on our model). Longest-seen first, ties in random order; one
-    of the `pool` longest-seen goes first at random."""
+    of the `pool` longest-seen goes first at random. Candidates in `first` go before all others (in that order):
+    a DiLoCo fork asks the members that hold its group's model, whatever their tenure."""
     claimed = claimed_rounds or {}
     cands = [p for p, r in believed_rounds.items()
              if r > 0 and states.get(p) != "joining" and p not in exclude and claimed.get(p, r) <= r]
@@ -79,7 +80,9 @@ def pick_donors(believed_rounds: Mapping[str, int], states: Mapping[str, str], t
     cands.sort(key=lambda p: -tenure_s.get(p, 0.0))              # stable: keeps the shuffle among ties
     top = cands[:pool]
     rng.shuffle(top)
-    return top + cands[pool:]
+    ordered = top + cands[pool:]
+    early = [p for p in first if p in ordered]
+    return early + [p for p in ordered if p not in early]
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ group's mean does not count). Groups are keyed by epoch, so honest members of on
 also gathers a sample of its anchor (the parameters at the round's start) so the group sees whether it is one
 model. Everything a groupmate gathered is a claim: a wrong type or size counts as a member that disagrees.
 
-    judge_group(...)  ->  GroupVerdict: apply the mean, or refuse it (a groupmate of another epoch), or we are the
-                          fork (our anchor differs from the group's majority: download the state instead)
+    judge_group(...)  ->  GroupVerdict: apply the mean (every member of our epoch and model), or refuse it (a
+                          groupmate of another epoch or model), or we are the fork (our anchor is not the group's
+                          model: download the state from a member that holds it)
     behind(...)       ->  whether the other peers' median claimed epoch is past ours (download the state)
 """
 from __future__ import annotations
@@ -48,10 +49,12 @@ def relative_difference(mine: torch.Tensor, theirs: torch.Tensor) -> float:
 class GroupVerdict:
     apply: bool          # use the group's mean for our outer step
     code: str | None     # why not: OTHER_EPOCH (a groupmate claims another epoch) | FORKED (we are the odd one out)
+    #                      | OTHER_MODEL (a groupmate is)
     spread: float | None  # the largest relative difference between our anchor sample and a valid groupmate's
     agree: int           # members (us included) whose anchors agree with ours within the tolerance
     size: int
     detail: str = ""
+    holders: tuple[str, ...] = ()  # the members holding the group's model (a fork's donors)
 
 
 def parse_claim(claim: object, size: int) -> tuple[int, torch.Tensor] | None:
@@ -73,12 +76,18 @@ def judge_group(own_id: str, epoch: int, own_sample: torch.Tensor, gathered: Map
     - Every member must claim our epoch (the group key carries it, so only a liar or a bug differs): else the mean
       mixes pseudo-gradients of other anchors; refused (OTHER_EPOCH) by every honest member alike.
     - The group's model is the anchor of the member that agrees (relative difference <= tolerance) with the most
-      members, the lowest peer id among equals. We are the fork (FORKED: refused, and the caller downloads a
-      peer's state) when our anchor disagrees with it and agrees with fewer members than it does, or, in a group of
-      two, with as few. So the majority steps and a fork never spreads; and where a lossy wire's rounding leaves
-      every anchor apart from every other (no two agree, three or more members), nobody is called the fork.
+      members, the lowest peer id among equals. The mean is used only when every member holds it: a member whose
+      anchor is another (a fork, or an unreadable claim) gets a mean of pseudo-gradients of two models, and a mean
+      applied to two anchors keeps them apart for good. So every member refuses: we are the fork (FORKED: the
+      caller downloads the state, from the members holding the group's model, `holders`), or a groupmate is
+      (OTHER_MODEL: the fork downloads while we try the epoch again). Ties and groups where no two members agree
+      go to the lowest peer id, so one lineage survives. (Until 2026-12-05 a majority stepped with a fork among
+      it, and in a tie nobody was the fork, so both halves stepped: CI saw an all-reduce applied across anchors
+      4.9 % apart.) A lossy wire leaves anchors apart by its rounding: its tolerance sits above that
+      (peer/swarm/diloco.py TOLERANCE).
     An unreadable claim is a member that agrees with nobody. Every member computes the same verdicts from the same
-    gathered claims (ours is in them)."""
+    gathered claims (ours is in them).
+    """
     n = len(gathered)
     claims = {pid: parse_claim(c, own_sample.numel()) for pid, c in gathered.items()}
     claims[own_id] = (epoch, own_sample)
@@ -93,14 +102,19 @@ def judge_group(own_id: str, epoch: int, own_sample: torch.Tensor, gathered: Map
         return GroupVerdict(False, "OTHER_EPOCH", spread, mine, n,
                             f"{len(bad_epoch)} of {n} claim another epoch than {epoch}")
     best = min(agree, key=lambda pid: (-len(agree[pid]), pid))
-    most = len(agree[best])
-    if own_id not in agree[best] and (most > mine or (n == 2 and most == mine)):
-        unreadable = n - len(samples)
+    holders = tuple(sorted(agree[best]))
+    if own_id not in agree[best]:
         return GroupVerdict(False, "FORKED", spread, mine, n,
-                            f"our anchor agrees with {mine} of {n} members, another with {most} (largest relative "
-                            f"difference {spread if spread is not None else float('nan'):.3g}, tolerance "
-                            f"{tolerance:g}; {unreadable} unreadable): the group's model is another")
-    return GroupVerdict(True, None, spread, mine, n)
+                            f"our anchor agrees with {mine} of {n} members, the group's model with {len(holders)} "
+                            f"(largest relative difference {spread if spread is not None else float('nan'):.3g}, "
+                            f"tolerance {tolerance:g}; {n - len(samples)} unreadable): the group's model is another",
+                            holders)
+    if len(holders) < n:
+        return GroupVerdict(False, "OTHER_MODEL", spread, mine, n,
+                            f"{n - len(holders)} of {n} members hold another model or an unreadable claim (largest "
+                            f"relative difference {spread if spread is not None else float('nan'):.3g}, tolerance "
+                            f"{tolerance:g}): no step; the fork downloads the group's model", holders)
+    return GroupVerdict(True, None, spread, mine, n, holders=holders)
 
 
 def behind(epoch: int, claimed: Iterable[int]) -> bool:

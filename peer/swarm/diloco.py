@@ -8,8 +8,8 @@ with peers of its own epoch, and every member gathers {"round": epoch, "anchor":
 is checked before its mean is used (protocol/epochs.py `judge_group`).
 
 Failure semantics, per round (`average` returns only when one holds):
-- ok: a group of >= 2 of our epoch finished the all-reduce, every member claimed our epoch, our anchor is the
-  group's model (the anchor most members agree with, within diloco.anchor_tolerance), the mean is finite. The
+- ok: a group of >= 2 of our epoch finished the all-reduce, every member claimed our epoch, every member's anchor
+  is the group's model (the anchor most members agree with, within diloco.anchor_tolerance), the mean is finite. The
   caller steps with it (every member alike: one model); the round record's anchor_spread is the largest relative
   difference to a groupmate's anchor sample (fp32: float32 rounding, ~1e-8; a lossy codec: its rounding, which
   walks on from step to step, since hivemind hands each member the rounded difference to its own part).
@@ -17,13 +17,15 @@ Failure semantics, per round (`average` returns only when one holds):
   another epoch, a non-finite mean, a partial all-reduce: part of our vector came back from no reducer, or a part
   we averaged had no sender but us - hivemind reports those as a success, with each member's own values standing
   in, so the members' "means" differ; `allreduce_shortfall`) is tried again for the same epoch, with the same
-  pseudo-gradient: never a solo outer step, not even on part of the model. A groupmate that got the whole mean
+  pseudo-gradient: never a solo outer step, not even on part of the model. So is a group with a member of another
+  model (code=OTHER_MODEL: that member downloads ours meanwhile). A groupmate that got the whole mean
   steps while we refuse ours: we are then behind (below). The averager's buffers are scratch space: ours are copied
   in before each attempt and the mean copied out only on success, so a partial reduction is never applied.
 - behind: the other training peers' median announced round is past our epoch (they stepped without us: we were
-  stopped, or dropped from the group), or the group's majority holds another model than ours (a fork; code=FORKED).
-  The caller drops the round and downloads a peer's state - parameters and the DiLoCo momentum, the round taken
-  from the adopted donor (checked on batches of its own, peer/daemon.py `_resync`) - as hivemind.Optimizer's
+  stopped, or dropped from the group), or the group's model is another than ours (a fork; code=FORKED, the
+  report's `holders` name the members that hold it). The caller drops the round and downloads a peer's state -
+  from those members first - with parameters and the DiLoCo momentum, the round taken from the adopted donor
+  (checked on batches of its own, peer/daemon.py `_resync`) - as hivemind.Optimizer's
   load_state_from_peers; the next group compares anchors again. A failed download: the next round tries again.
 - stopping: a stop signal came while waiting; the caller drops the round (the state stays at the last step).
 Start barrier: at epoch 0 a group needs diloco.initial_group_size members (the attempt is repeated until they come).
@@ -266,6 +268,7 @@ class DilocoAveraging:
             outcome = "behind" if v.code == "FORKED" else "rejected"
             ex = self._report(outcome, t0, t_allreduce, attempts, f"code={v.code} {v.detail}")
             ex.code, ex.partner, ex.group_size, ex.anchor_spread = v.code, others, n, v.spread
+            ex.holders = tuple(p for p in v.holders if p != self.net.peer_id)
             return ex
         with self.averager.get_tensors() as bufs:
             mean = [b.clone() for b in bufs]

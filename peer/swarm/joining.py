@@ -83,11 +83,13 @@ class Joining:
             self.refresh_listing()
         return self.live
 
-    def download_state(self, params: list[torch.Tensor], outer, exclude: Collection[str] = ()):
+    def download_state(self, params: list[torch.Tensor], outer, exclude: Collection[str] = (),
+                       first: Collection[str] = ()):
         """(donor, metadata, params) from a live peer not in `exclude`, or None when nobody is there (a fresh swarm)
         or no donor delivered a verified state in time. `donor` is the transport's peer id, metadata's round the
         reply header's (checked against the metadata: protocol/donors.py). `outer` gives the outer state's specs,
-        which a donor of an older build still sends: it is downloaded, never returned."""
+        which a donor of an older build still sends: it is downloaded, never returned. `first`: donors to ask before
+        the others (a DiLoCo fork: the members holding its group's model), if they are candidates at all."""
         from gasloc.peer.transport.state_transfer import StateDownloadError, download_state
 
         live = self._first_listing()
@@ -102,7 +104,7 @@ class Joining:
         believed = {p: r for p, r in self.believed_rounds().items() if p not in skip}
         donors = pick_donors(believed, {p: r.state for p, r in live.items()}, self.tenure(),
                              pool=self.cfg.swarm.join_donor_pool, rng=random.Random(), exclude=exclude,
-                             claimed_rounds={p: r.round for p, r in live.items()})
+                             claimed_rounds={p: r.round for p, r in live.items()}, first=first)
         if not donors:
             log.info("join: no live peer has trained yet; starting from the seed model")
             return None

@@ -41,6 +41,7 @@ class RoundExchange:
     rejected_partner: str | None = None  # guard.retry_after_reject: the partner rejected earlier in this round
     anchor_spread: float | None = None  # DiLoCo: the largest relative difference between our anchor and a
     # groupmate's at the all-reduce (a sample of the parameters; protocol/epochs.py): ~0 while the swarm is one model
+    holders: tuple[str, ...] = ()  # DiLoCo, code FORKED: the groupmates that hold the group's model (donors first)
 
     @property
     def ok(self) -> bool:

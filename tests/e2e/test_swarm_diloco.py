@@ -1,6 +1,7 @@
 """`--algorithm diloco` as its users know it: one model. Three peers start behind a start barrier (the first
-all-reduce is all three), one is frozen (SIGSTOP) while the other two step on, a fourth joins late; after every
-all-reduce the members' anchors agree to a relative 1e-6 (fp32 wire), the frozen peer and the joiner come back into
+all-reduce is all three), one forks (its model and anchor jump, [fault] fork_at_round) and comes back by downloading
+the group's model, one is frozen (SIGSTOP) while the other two step on, a fourth joins late; after every all-reduce
+the members' anchors agree to a relative 1e-6 (fp32 wire), the fork, the frozen peer and the joiner come back into
 the one model, and no peer ever takes an outer step without its group's mean (a round that does not step does not
 count: the round number moves on exactly with the ok all-reduces, and with state downloads)."""
 from __future__ import annotations
@@ -49,14 +50,24 @@ def test_diloco_stays_one_model_through_a_freeze_and_a_joiner(harness, bootstrap
     cfg = write_config(h)
     # lossless all-reduce (the exchange's default codec is lossy): the anchors must agree to float32 rounding
     cfg.write_text(cfg.read_text().replace("[diloco]\n", "[diloco]\ninitial_group_size = 3\ncompression = \"none\"\n"))
+    # d2's model and anchor jump by 5 % of each tensor's RMS in its round 3: a fork, as a bad restore would make
+    fork = h.run_dir / "fork.toml"
+    fork.write_text(cfg.read_text() + "\n[fault]\nfork_at_round = 3\n")
     names = ["d0", "d1", "d2"]
-    start_peers(h, names, bootstrap, cfg, "--algorithm", "diloco")
+    ids = start_peers(h, names, bootstrap, cfg, "--algorithm", "diloco", per_peer={"d2": ("--config", fork)})
     h.wait_until(lambda: all(len(ok_rounds(h, n)) >= 5 for n in names), 150, "5 averaged rounds per peer",
                  alive=tuple(names))
     for n in names:
         assert start_event(h, n)["algorithm"] == "diloco"
         # the start barrier: the very first step was everyone's
         assert ok_rounds(h, n)[0]["group_size"] == 3, ok_rounds(h, n)[0]
+    # the fork was caught at its first all-reduce: nobody stepped with it (check_one_model below), and it downloaded
+    # the group's model from a member that holds it
+    forked = [e for e in events(h, "d2") if e.get("code") == "FORKED"]
+    assert forked and forked[0]["round"] == 2, events(h, "d2")
+    back = next(e for e in events(h, "d2") if e["event"] == "resync" and e["time"] >= forked[0]["time"])
+    assert back["reason"] == "behind" and back["joined_from"] in (ids["d0"], ids["d1"]), back
+    assert "code=OTHER_MODEL" in h.log("d0") + h.log("d1")
 
     # d1 misses epochs: frozen while d0 and d2 step on as a pair
     h.pause("d1")

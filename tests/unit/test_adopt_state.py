@@ -23,7 +23,7 @@ class _Net:
     def __init__(self, donors, believed):
         self.donors, self.believed, self.asked = list(donors), believed, []
 
-    def download_state(self, params, outer, exclude=()):
+    def download_state(self, params, outer, exclude=(), first=()):
         self.asked.append(set(exclude))
         for donor, rnd, state in self.donors:
             if donor not in exclude:
@@ -121,3 +121,20 @@ def test_a_state_worse_than_our_own_is_refused_and_nobody_left_means_none():
     before = [t.detach().clone() for t in p.params]
     assert p._adopt_swarm_state() is None
     assert all(torch.equal(a, b) for a, b in zip(p.params, before)) and p.round == 0
+
+
+def test_a_diloco_joiner_takes_the_later_of_two_agreeing_states():
+    """DiLoCo (one model; the round is its epoch): two donors a few epochs apart agree by distance, and the earlier
+    state would leave the joiner behind at once (test_swarm_diloco: it adopted epoch 9 of a swarm at 12, then spent
+    30 s rate-limited at every donor). gasloc keeps the first (its round is the lower of the two anyway)."""
+    for algorithm, adopted in (("diloco", "QmLate"), ("gasloc", "QmEarly")):
+        cfg = {"model": {"preset": "tiny", "seq_len": 32}, "data": {"batch_size": 4},
+               "outer": {"algorithm": algorithm}}
+        p = _peer([], {})
+        p.cfg = PeerConfig.model_validate(cfg)
+        p.outer = make_outer(p.cfg.outer, p.params)
+        early, late = _like(p, 1, 0.001), _like(p, 2, 0.001)
+        p.net = _Net([("QmEarly", 9, early), ("QmLate", 12, late)], believed={})
+        assert p._adopt_swarm_state() == adopted, algorithm
+        assert all(torch.equal(a, b) for a, b in zip(p.params, late if adopted == "QmLate" else early))
+        assert p.round == (12 if algorithm == "diloco" else 9)

@@ -21,7 +21,8 @@ class _Net:
     def __init__(self, donor, rnd, params, outer):
         self.state = (donor, rnd, params, outer)
 
-    def download_state(self, params, outer, exclude=()):
+    def download_state(self, params, outer, exclude=(), first=()):
+        self.first = tuple(first)
         donor, rnd, state, outer_state = self.state
         if donor in exclude:
             return None
@@ -33,6 +34,15 @@ class _Net:
 
     def round_caps(self):   # the highest round we believe the donor can have reached: its own, here
         return {self.state[0]: self.state[1]}
+
+    def refresh_listing(self):
+        pass
+
+    def announce(self, wait=False):
+        pass
+
+    def round_boundary(self, take):
+        self.served = take()
 
 
 def _peer(algorithm: str) -> Peer:
@@ -67,6 +77,23 @@ def test_a_diloco_download_takes_the_donors_momentum_and_the_others_reset_theirs
     g.net = _Net("QmA", 7, _moved(g, 0.01), z)
     assert g._adopt_swarm_state() == "QmA"
     assert all(torch.equal(a, b) for a, b in zip(g.outer.z_prev, g.params))
+
+
+def test_a_fork_downloads_from_the_members_that_hold_its_groups_model():
+    """A round that ended FORKED (protocol/epochs.py) names the groupmates holding the group's model; the catch-up at
+    the round's end asks them first, and takes their anchor, momentum and epoch."""
+    import threading
+
+    from gasloc.peer.metrics import NullSink
+    d = _peer("diloco")
+    state, buf = _moved(d, 0.01), [torch.full_like(t, 0.5) for t in d.params]
+    d.net = _Net("QmHolder", 9, state, buf)
+    d.stopping, d._pending, d.sink, d.state = threading.Event(), None, NullSink(), "training"
+    d._catch_up, d._donors_first = "behind", ("QmHolder", "QmOther")
+    d._catch_up_if_due()
+    assert d.net.first == ("QmHolder", "QmOther") and d.round == 9
+    assert all(torch.equal(a, b) for a, b in zip(d.outer.anchor, state))
+    assert d._donors_first == () and d._catch_up is None  # one catch-up per verdict
 
 
 def test_a_waiting_diloco_peer_serves_the_state_of_its_last_step_not_its_moved_params():

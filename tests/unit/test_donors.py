@@ -63,6 +63,21 @@ def test_a_joiner_without_tenure_draws_at_random_and_skips_what_cannot_donate():
     assert min(seen.values()) > 100
 
 
+def test_a_fork_asks_the_holders_of_its_groups_model_first_if_they_can_donate_at_all():
+    """A DiLoCo fork (protocol/epochs.py FORKED) downloads from the members that hold its group's model: a donor by
+    tenure could be its own half of the group, and it would stay the fork."""
+    rounds = {"old": 9, "mate": 9, "h1": 9, "h2": 9, "gone": 9}
+    states = dict.fromkeys(rounds, "training")
+    tenure = {"old": 300.0, "mate": 290.0, "h1": 5.0, "h2": 4.0, "gone": 1.0}
+    for seed in range(20):
+        order = pick_donors(rounds, states, tenure, pool=2, rng=random.Random(seed), first=("h2", "h1", "nobody"),
+                            exclude={"gone"})
+        assert order[:2] == ["h2", "h1"] and set(order[2:]) == {"old", "mate"}
+    # a holder that cannot donate (excluded, joining) is not asked first either
+    assert "gone" not in pick_donors(rounds, states, tenure, pool=2, rng=random.Random(0), first=("gone",),
+                                     exclude={"gone"})
+
+
 def test_two_donors_that_agree_confirm_the_first_and_a_disagreement_goes_to_our_own_data():
     ok = cross_check(0.01, 2.0, 2.1, agree=0.1)
     assert ok.first and ok.agreed

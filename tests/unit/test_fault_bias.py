@@ -72,3 +72,22 @@ def test_guard_seen_reads_the_peer_guard():
     for d in (0.05, 0.07, 0.06):
         h.values.append(d)
     assert guard_seen(h) == (pytest.approx(0.12), pytest.approx(0.06))
+
+
+def test_a_fork_moves_the_model_and_its_anchor_alike_once():
+    """fork_at_round: the model parts from its group's (tests/e2e/test_swarm_diloco.py), its pseudo-gradient does
+    not (anchor and parameters move by the same shift), and it happens once per process."""
+    params = _params()
+    anchor = [p.detach().clone() + 0.5 for p in params]
+    before = [p.detach().clone() for p in params], [a.clone() for a in anchor]
+    fault = make_fault(FaultConfig(fork_at_round=2, fork_scale=0.05), params, anchor=lambda: anchor)
+    fault.after_step(1)
+    assert all(torch.equal(p, b) for p, b in zip(params, before[0]))
+    fault.after_step(2)
+    for p, a, p0, a0 in zip(params, anchor, *before):
+        assert torch.allclose(p - p0, a - a0, atol=1e-6)  # one shift (float32 rounding of either sum apart)
+        rms = p0.pow(2).mean().sqrt()
+        assert 0.02 * rms < (p - p0).pow(2).mean().sqrt() < 0.1 * rms
+    moved = [p.detach().clone() for p in params]
+    fault.after_step(2)
+    assert all(torch.equal(p, m) for p, m in zip(params, moved))

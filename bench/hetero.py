@@ -76,11 +76,12 @@ RUNS = {  # name -> (outer.algorithm, bandwidth-aware (None: not applicable), fu
     "gasloc-bw-m09-k0": ("gasloc", True, {"outer.momentum": "0.9", "outer.mix_momentum": "0"}),
 }
 DEFAULT_RUNS = ("gasloc-bw", "gasloc", "diloco")
-# Rounds per 180 s over which each algorithm's inner lr decays (module docstring): its peers' rounds in invocation H1
-# of docs/hetero-results.md (2026-12-05, the default codecs: GASLoC int4 46-53 rounds, DiLoCo uint8 18, every
-# all-reduce all six). H1 itself decayed over 15 and 6 (estimates from the fp32 runs before): both sat at the floor
-# for most of the run
-DECAY_ROUNDS = "diloco=18,gasloc=48,gossip=48"
+# Rounds per 180 s over which each algorithm's inner lr decays (module docstring): its peers' rounds with today's
+# default codecs, so each run ends its cosine where it ends (invocation J1 of docs/hetero-results.md, 2026-12-05:
+# GASLoC int8 45 rounds a fast peer, DiLoCo float16 11-12 all-reduces of all six). Before J1: 48 and 18 (H1's, with
+# int4 and uint8), under which J1's DiLoCo ended a third of the way short of its floor; H1 itself decayed over 15
+# and 6 (estimates from fp32 runs): both sat at the floor for most of the run
+DECAY_ROUNDS = "diloco=12,gasloc=45,gossip=45"
 
 # Hyperparameters shared by every run (the [outer] defaults of each algorithm apply). Timeouts are raised so that
 # a slow link finishes its transfer: 3.5 MB at 3 Mbit takes 9.3 s for a pair, and an all-reduce part shares the

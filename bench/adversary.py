@@ -33,8 +33,13 @@ Figures per swarm (honest peers only):
   wrong rej    rejections of an honest partner by an honest peer: all rounds / after round 6
   resyncs      resync events of honest peers (any reason)
 
+With --repeats R each mode runs R swarms (one after another, every mode once before any mode twice) and a second
+table gives per mode the median of its swarms' vals against the clean median: one swarm per mode cannot be judged
+against a 5 % bound when clean swarms of 16 rounds differ by 10 % among themselves.
+
     python bench/adversary.py                              # every mode, 16 rounds, 3 clean swarms
     python bench/adversary.py --modes uphill,echo --rounds 12 --json adv.json
+    python bench/adversary.py --repeats 3 --clean 5        # per mode the median of 3 swarms
 """
 from __future__ import annotations
 
@@ -433,15 +438,48 @@ def format_table(rows: list[dict], clean: float) -> str:
     return "\n".join(lines)
 
 
+def summarize(rows: list[dict], clean: float) -> list[dict]:
+    """Per mode (clean included), over its swarms: the median val, its ratio to the clean median, the range, and
+    whether the issue's target holds (median within the mode's bound, no honest crash and no hostile adoption in
+    any of its swarms)."""
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        vals = [r["val"] for r in mine if math.isfinite(r["val"])]
+        med = statistics.median(vals) if vals else math.nan
+        ratio = med / clean if vals and math.isfinite(clean) and clean else math.nan
+        crashes, adopted = sum(r["crashes"] for r in mine), sum(r["adopted"] for r in mine)
+        spec = MODES.get(mode)
+        met = None if spec is None else bool(ratio <= spec.bound and not crashes and not adopted)
+        out.append({"mode": mode, "swarms": len(mine), "median": med, "ratio": ratio,
+                    "low": min(vals) if vals else math.nan, "high": max(vals) if vals else math.nan,
+                    "crashes": crashes, "adopted": adopted, "bound": spec.bound if spec else None, "met": met})
+    return out
+
+
+def format_summary(summary: list[dict]) -> str:
+    head = f"{'mode':<12} {'swarms':>6} {'median':>6} {'vs clean':>8} {'range':>13} {'bound':>6} {'target':>6}"
+    lines = [head, "-" * len(head)]
+    for m in summary:
+        change = f"{m['ratio'] - 1:+.1%}" if math.isfinite(m["ratio"]) else "-"
+        bound = f"{m['bound'] - 1:+.0%}" if m["bound"] else "-"
+        target = "-" if m["met"] is None else "met" if m["met"] else "MISSED"
+        lines.append(f"{m['mode']:<12} {m['swarms']:>6} {m['median']:>6.3f} {change:>8} "
+                     f"{m['low']:>6.3f}-{m['high']:<6.3f} {bound:>6} {target:>6}")
+    return "\n".join(lines)
+
+
 @click.group(invoke_without_command=True)
 @click.option("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
 @click.option("--rounds", default=16, type=click.IntRange(4), help="rounds per honest peer")
 @click.option("--clean", "clean_runs", default=3, type=click.IntRange(1), help="clean swarms (their median is "
               "the baseline)")
+@click.option("--repeats", default=1, type=click.IntRange(1), help="swarms per mode (the summary compares their "
+              "median with the clean median)")
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None, help="default: runs/adv-<time>")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
 @click.pass_context
-def main(ctx, modes, rounds, clean_runs, run_dir, json_out):
+def main(ctx, modes, rounds, clean_runs, repeats, run_dir, json_out):
     if ctx.invoked_subcommand is not None:
         return
     from gasloc.runtime.procs import ChildFailed, Supervisor, gasloc_argv
@@ -453,7 +491,7 @@ def main(ctx, modes, rounds, clean_runs, run_dir, json_out):
     run_dir = (run_dir or Path("runs") / time.strftime("adv-%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     json_out = json_out or run_dir / "adversary.json"
-    meta = {"rounds": rounds, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), **_code_state()}
+    meta = {"rounds": rounds, "repeats": repeats, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), **_code_state()}
     click.echo(f"commit {meta['commit']}, {len(meta['uncommitted'])} file(s) differ from it; {run_dir}", err=True)
     sup = Supervisor()
     rows: list[dict] = []
@@ -479,8 +517,9 @@ def main(ctx, modes, rounds, clean_runs, run_dir, json_out):
         # the clean swarms first, so a run cut short still has its baseline
         for i in range(clean_runs):
             one(f"clean{i}", None)
-        for m in mode_list:
-            one(m, m)
+        for k in range(repeats):   # every mode once before any twice: a drifting machine load hits all alike
+            for m in mode_list:
+                one(m if k == 0 else f"{m}-{k + 1}", m)
     except ChildFailed as e:
         click.echo(f"Error: {e} (logs in {run_dir})", err=True)
         code = 1
@@ -494,10 +533,14 @@ def main(ctx, modes, rounds, clean_runs, run_dir, json_out):
     click.echo(f"clean swarms: {[round(c, 4) for c in cleans]} median {clean:.4f}; rounds {rounds}; "
                f"{meta['started']} - {meta['finished']}; commit {meta['commit']}")
     click.echo(format_table(good, clean))
+    summary = summarize(good, clean)
+    if repeats > 1 or clean_runs > 1:
+        click.echo(f"\nper mode, the median of its swarms against the clean median {clean:.4f}:")
+        click.echo(format_summary(summary))
     for r in rows:
         if "error" in r:
             click.echo(f"{r['tag']}: no row ({r['error'][:200]})")
-    json_out.write_text(json.dumps({**meta, "clean_median": clean, "rows": rows}, indent=1))
+    json_out.write_text(json.dumps({**meta, "clean_median": clean, "summary": summary, "rows": rows}, indent=1))
     sys.exit(code)
 
 

@@ -275,14 +275,17 @@ def codec_suite(name: str, *, workers: int, base: dict, b: dict, seeds: list[int
     return Suite(name, base, runs, claims, notes)
 
 
-def hetero_suite(name: str, *, base: dict, seeds: list[int], notes: list[str]) -> Suite:
-    """Issue 15's check that the simulator predicts bench/hetero.py: the bench's three runs, per seed."""
+def hetero_suite(name: str, *, base: dict, seeds: list[int], notes: list[str], gasloc: dict | None = None,
+                 diloco: dict | None = None) -> Suite:
+    """Issue 15's check that the simulator predicts bench/hetero.py: the bench's three runs, per seed (`gasloc`,
+    `diloco`: each method's own settings, as the bench gives each its codec and lr decay)."""
     runs = []
+    g, d = gasloc or {}, diloco or {}
     for s in seeds:
         runs += [RunSpec(f"gasloc-bw-s{s}", {"seed": s, "outer.algorithm": "gasloc", "bandwidth_weighted": True,
-                                             "search.slower_link_ratio": 3.0}),
-                 RunSpec(f"gasloc-s{s}", {"seed": s, "outer.algorithm": "gasloc"}),
-                 RunSpec(f"diloco-s{s}", {"seed": s, "outer.algorithm": "diloco"})]
+                                             "search.slower_link_ratio": 3.0, **g}),
+                 RunSpec(f"gasloc-s{s}", {"seed": s, "outer.algorithm": "gasloc", **g}),
+                 RunSpec(f"diloco-s{s}", {"seed": s, "outer.algorithm": "diloco", **d})]
     claims = [Claim("bench-bw", "bandwidth-aware GASLoC's time to target / DiLoCo's within +-0.15 of the bench's",
                     claim_bench_ratio("gasloc-bw", seeds, 0.15)),
               Claim("bench-uniform", "uniform GASLoC's time to target / DiLoCo's within +-0.15 of the bench's",

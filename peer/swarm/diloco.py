@@ -9,7 +9,8 @@ is checked before its mean is used (protocol/epochs.py `judge_group`).
 
 Failure semantics, per round (`average` returns only when one holds):
 - ok: a group of >= 2 of our epoch finished the all-reduce, every member claimed our epoch, every member's anchor
-  is the group's model (the anchor most members agree with, within diloco.anchor_tolerance), the mean is finite. The
+  is the group's model (the anchor most members agree with, within diloco.anchor_tolerance; the lowest peer
+  id's among equals), the mean is finite. The
   caller steps with it (every member alike: one model); the round record's anchor_spread is the largest relative
   difference to a groupmate's anchor sample (fp32: float32 rounding, ~1e-8; a lossy codec: its rounding, which
   walks on from step to step, since hivemind hands each member the rounded difference to its own part).
@@ -38,8 +39,8 @@ diloco.matchmaking_time_s with whoever came.
 Claims: a groupmate's gathered round and anchor are claims (a wrong type or size counts as disagreeing); the
 listing's rounds are claims whose median alone can make us download, and the download is checked. hivemind's
 all-reduce itself is not Byzantine-robust: a hostile groupmate can send any pseudo-gradient (the mean is checked for
-NaN/Inf only) or stall a group by claiming another epoch. DiLoCo runs where peers are trusted; gasloc's guard is the
-answer for open swarms.
+NaN/Inf only) or stall a group by claiming another epoch or another model. DiLoCo runs where peers are trusted;
+gasloc's guard is the answer for open swarms.
 
 Wire: hivemind.compression, the closest to the exchange's wire codec (diloco.compression). Byte counts are derived
 from the all-reduce's pattern (each member sends and receives (n-1)/n of the vector twice, at the codec's width),

@@ -777,9 +777,17 @@ class Peer:
         batch = private_batches(self.data, 1) if model else None
         # tensors that are no model (NoLoCo sends two per parameter): no batch check
         loss = (lambda point: self._evaluate_at(point, batch)) if model else None
+        more: list[torch.Tensor] = []  # drawn only for a second look (a streamed dataset skips what it draws)
+
+        def recheck(point) -> float:
+            if not more:
+                more.extend(private_batches(self.data, self.cfg.guard.recheck_batches))
+            return self._evaluate_at(point, more)
+
         own_round = self.round if ex.offer_round is None else ex.offer_round
         v = self.guard.decide(sent, received, partner=ex.partner or "", own_round=own_round,
-                              partner_round=ex.partner_round, loss=loss, listed_rounds=self._listed_rounds(),
+                              partner_round=ex.partner_round, loss=loss, recheck=recheck if model else None,
+                              listed_rounds=self._listed_rounds(),
                               own_id=self.peer_id, behind_rounds=self.cfg.swarm.resync_behind_rounds)
         trust = self.averaging.policy.judged(ex.partner, v.verdict, time.monotonic())
         if v.catch_up is not None:

@@ -218,10 +218,13 @@ class MixJudge:
     @torch.no_grad()
     def decide(self, own: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor], *, partner: str,
                own_round: int, partner_round: int | None = None, loss: Loss | None = None,
-               listed_rounds: Iterable[int] = (), own_id: str = "", behind_rounds: float = 0) -> Decision:
+               recheck: Loss | None = None, listed_rounds: Iterable[int] = (), own_id: str = "",
+               behind_rounds: float = 0) -> Decision:
         """The decision on `theirs` (the partner's tensors as decoded) against `own` (ours as we sent them).
         `loss(point)`: the loss of a model with these tensors on one batch only we know (the same batch for every
         call within one decision), or None when the tensors are no model (NoLoCo): then no batch check.
+        `recheck(point)`: the mean loss on guard.recheck_batches further private batches (the same ones for every
+        call), asked only when the first batch would reject: the mean over all of them decides.
         `partner_round`: the round its offer claims (a claim: it only widens tau by at most round_gap_cap rounds
         of our own movement). `listed_rounds`, `own_id`, `behind_rounds`: for the catch-up rule
         (protocol/guard.py catch_up_due)."""
@@ -295,6 +298,13 @@ class MixJudge:
             # the loss by more than val_margin), and by val_margin a round of gap besides
             margin = c.val_margin * (1 + gap) + (gap + 1) * self._progress(own_round, own_loss)
             bound = own_loss * (1 + margin)
+            if math.isfinite(partner_loss) and partner_loss > bound and recheck is not None and c.recheck_batches:
+                # a second look before a rejection: a partner whose model is worse is worse on every batch, one
+                # batch's noise is not (the clean hetero bench lost an honest pair at round 11 to one batch)
+                k = c.recheck_batches
+                own_loss = (own_loss + k * float(recheck(own))) / (1 + k)
+                partner_loss = (partner_loss + k * float(recheck(point))) / (1 + k)
+                bound = own_loss * (1 + margin)
             if not math.isfinite(partner_loss) or partner_loss > bound:
                 self.votes.vote(partner, min(d, base_tau), self._capped(dk, base_taus))
                 code = Code.DISTRUSTED if math.isfinite(partner_loss) else Code.NOT_FINITE

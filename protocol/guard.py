@@ -68,6 +68,10 @@ class GuardConfig(BaseModel):
     val_check: bool = Field(True, description="check a suspicious partner's model (farther than tau) on one local "
                             "validation batch before mixing; reject it if worse than ours by val_margin")
     val_margin: float = Field(0.1, ge=0, description="a suspicious partner's loss may exceed ours by this fraction")
+    recheck_batches: int = Field(3, ge=0, description="before an offer is rejected on its loss, the check is "
+                                 "repeated on this many further private batches and the mean over all of them "
+                                 "decides (one batch of 4 x 64 tokens is noisy: it rejected an honest partner "
+                                 "in a clean swarm at round 11); 0: one batch decides")
     clip_penalty: float = Field(0.3, ge=0, le=1, description="a clipped partner's trust is multiplied by 1 - this")
     reject_penalty: float = Field(0.6, ge=0, le=1, description="a rejected partner's trust is multiplied by 1 - "
                                   "this")

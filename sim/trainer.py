@@ -226,10 +226,19 @@ class SimTrainer:
         own, out = self._wire_of(i), {}
         self.carry[i] = True
         batch = [self.guards[i].batches.next_batch()]
-        loss = (lambda point: self._loss_at(point, batch)) if len(own) == len(self.params[i]) else None  # NoLoCo
+        model = len(own) == len(self.params[i])  # else NoLoCo: no batch check
+        loss = (lambda point: self._loss_at(point, batch)) if model else None
+        more: list[torch.Tensor] = []  # the second look's batches, drawn when first asked (as the live peer)
+
+        def recheck(point) -> float:
+            if not more:
+                more.extend(self.guards[i].batches.next_batch() for _ in range(self.cfg.guard.recheck_batches))
+            return self._loss_at(point, more)
+
         for j, t in theirs.items():
             d = self.guards[i].judge.decide(own, t, partner=str(j), own_round=self.rounds[i],
-                                            partner_round=self.rounds[j], loss=loss)
+                                            partner_round=self.rounds[j], loss=loss,
+                                            recheck=recheck if model else None)
             self.guard_counts[d.verdict.action] += 1
             if not d.rejected:
                 out[j] = d.apply(own, t)

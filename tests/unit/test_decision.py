@@ -179,6 +179,37 @@ def test_an_offer_under_tau_is_still_checked_on_our_private_batch():
     assert not ok.rejected and ok.own_loss is not None
 
 
+def test_one_noisy_batch_does_not_reject_an_honest_partner_but_a_worse_model_stays_rejected():
+    """The clean hetero bench (K3, 2026-12-05) had an honest partner rejected at round 11 on one private batch
+    (1.212 against a bound of 1.149). Before a rejection the check looks again on guard.recheck_batches further
+    batches, and the mean decides: one batch's noise passes, a model worse on every batch does not."""
+    own, gen = model(), torch.Generator().manual_seed(8)
+    j = MixJudge(CFG, seed=5)
+    r = warm(j, own, gen)
+    offer = honest(own, gen, scale=2.5)           # farther than tau: checked
+    first = {id(own): 1.0}
+    asked = []
+
+    def loss(point):                              # the first batch: the partner looks 20 % worse
+        return first.get(id(point), 1.2)
+
+    def fine(point):                              # the further batches: no worse than ours
+        asked.append(point)
+        return 1.0
+
+    d = j.decide(own, offer, partner="a", own_round=r, loss=loss, recheck=fine)
+    assert not d.rejected and len(asked) == 2, d.reason
+    assert d.partner_loss == pytest.approx((1.2 + CFG.recheck_batches * 1.0) / (1 + CFG.recheck_batches))
+    worse = j.decide(own, honest(own, gen, scale=2.5), partner="b", own_round=r, loss=loss,
+                     recheck=lambda point: 1.0 if point is own else 1.2)
+    assert worse.rejected and not worse.far and worse.code is Code.DISTRUSTED
+    # an offer that passes the first batch is not looked at again; without a recheck one batch decides
+    asked.clear()
+    assert not j.decide(own, honest(own, gen), partner="c", own_round=r, loss=lambda p: 1.0, recheck=fine).rejected
+    assert not asked
+    assert j.decide(own, honest(own, gen, scale=2.5), partner="d", own_round=r, loss=loss).rejected
+
+
 def test_an_honest_offer_a_round_apart_in_early_rounds_is_not_rejected():
     """Early rounds move the loss by more than val_margin per round, and an overlapped search pairs offers a round
     apart: the margin widens with the round gap."""

@@ -707,7 +707,8 @@ class Peer:
         into = self.outer.idle_buffers() if self.device.type == "cpu" else None
         lend = {} if into is None else {"receive_into": into}
         if self.stopping.is_set():
-            ex = RoundExchange(outcome="solo", detail="stopping")
+            # gasloc: a solo outer step; DiLoCo: none (the round does not count), reported as such
+            ex = RoundExchange(outcome="solo" if self.outer.solo_steps else "stopping", detail="stopping")
         else:
             ex = self.averaging.average(self.fault.wire(sent), self.round, self.live_count, **lend)
         self._note_bandwidth(ex)

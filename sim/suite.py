@@ -205,11 +205,11 @@ def overlap_suite(name: str, *, workers: int, base: dict, run: dict, notes: list
     return Suite(name, base, runs, claims, notes)
 
 
-# bench/hetero.py's measured GASLoC/DiLoCo time-to-target ratios with the current code (docs/hetero-results.md,
-# invocations Z1-Z3 of 2026-12-02 07:07-07:47 UTC, commit 29db465: the open share spread evenly, exploring picky
-# searches answer measured callers BUSY): bandwidth-aware 0.28, 0.27, 0.32; uniform 0.25, 0.26, 0.30. Before them
-# (W-Y, 2026-12-01, commit e21d316): bandwidth-aware 0.27, 0.55, 0.24; uniform 0.28, 0.60, 0.27
-BENCH_RATIOS = {"gasloc-bw": [0.28, 0.27, 0.32], "gasloc": [0.25, 0.26, 0.30]}
+# bench/hetero.py's measured GASLoC/DiLoCo time-to-target ratios against the one-model DiLoCo (docs/hetero-results.md,
+# invocations K1-K3 of 2026-12-05 06:51-07:21 UTC, commit 0b42be8, each method's default codec and the lr decayed
+# over its rounds): bandwidth-aware 0.33, 0.39, 0.35; uniform 0.33, 0.35, 0.39. Before them (Z1-Z3, 2026-12-02,
+# against the live DiLoCo that forked into lineages): bandwidth-aware 0.28, 0.27, 0.32; uniform 0.25, 0.26, 0.30
+BENCH_RATIOS = {"gasloc-bw": [0.33, 0.39, 0.35], "gasloc": [0.33, 0.35, 0.39]}
 BENCH_TARGET_MARGIN = 0.02  # bench/hetero.py --target-margin's default
 
 
@@ -484,22 +484,26 @@ PAPER_BASE = {"model.preset": "tiny", "model.seq_len": 64, "data.batch_size": 4,
 OVERLAP_BASE = {**PAPER_BASE, "schedule": "lockstep"}
 
 # bench/hetero.py's setup (its PEER_TOML and netlab links): 6 peers, even ones on 30 Mbit and odd ones on 3 Mbit,
-# tiny preset in fp32 on the wire (885,888 numbers = 3.5 MB), H = 20, partner deadline 10 s, exchange timeout 60 s,
-# 180 s per run, DiLoCo's matchmaking 5 s; every peer evaluates after every round. The clock's numbers are the bench's
-# own, measured by `bench/hetero_calibrate.py` over the invocations the claims compare with (Z1-Z3, 2026-12-02, 9 runs,
-# commit 29db465; docs/sim-results.md): 0.053 s per inner step; transfers over a slow link at 0.73 of the tbf rate
-# (pair exchanges; 0.68 for hivemind's all-reduce); DiLoCo as the live peer runs it (sim/groups.py): hivemind's
-# matchmaking, all-reduce durations with a coefficient of variation of 0.12, and listings that hold 0.32 of the others
-# for the first 2.9 s. Over W-Y (2026-12-01, the machine of that day) they were 0.061 s, 0.72, 0.67, 0.12, 0.36 and
-# 3.8 s
+# tiny preset (885,888 numbers), H = 20, partner deadline 10 s, exchange timeout 60 s, 180 s per run, DiLoCo's
+# matchmaking 5 s and its start barrier of all six; every peer evaluates after every round. Each method with its
+# defaults, as the bench runs them since 2026-12-05 (HETERO_GASLOC / HETERO_DILOCO): GASLoC's int8 pairs, DiLoCo's
+# float16 all-reduce, and the inner lr decayed by a cosine to 0.1 over each method's rounds in 180 s (bench/hetero.py
+# --decay-rounds: 45 and 12). The clock's numbers are the bench's own, measured by `bench/hetero_calibrate.py` over
+# the invocations the claims compare with (K1-K3, 2026-12-05, 9 runs, commit 0b42be8; docs/sim-results.md): 0.041 s
+# per inner step; transfers over a slow link at 0.86 of the tbf rate (pair exchanges; 0.67 for hivemind's
+# all-reduce); all-reduce durations with a coefficient of variation of 0.145; every peer listed all others from its
+# first round (the barrier waits for them). Over Z1-Z3 (2026-12-02, fp32 wires, the DiLoCo that forked) they were
+# 0.053 s, 0.73, 0.68, 0.12, and listings that held 0.32 of the others for the first 2.9 s
 HETERO_BASE = {"workers": 6, "model.preset": "tiny", "model.seq_len": 64, "data.batch_size": 4,
                "data.val_batches": 4, "inner.inner_steps": 20, "inner.warmup_steps": 20, "inner.lr": 2e-3,
-               "clock.profile": "hetero-bench", "clock.seconds_per_step": 0.053, "clock.latency_ms": 0.5,
-               "clock.bytes_per_param": 4.0, "clock.nominal_params": 885_888, "clock.link_efficiency": 0.73,
-               "clock.allreduce_efficiency": 0.68, "search.matchmaking_time_s": 5.0, "search.allreduce_jitter": 0.12,
-               "search.discovery_s": 2.9, "search.discovery_share": 0.32,
+               "clock.profile": "hetero-bench", "clock.seconds_per_step": 0.041, "clock.latency_ms": 0.5,
+               "clock.bytes_per_param": 4.0, "clock.nominal_params": 885_888, "clock.link_efficiency": 0.86,
+               "clock.allreduce_efficiency": 0.67, "search.matchmaking_time_s": 5.0, "search.allreduce_jitter": 0.145,
+               "search.discovery_s": 0.0, "search.discovery_share": 1.0,
                "search.partner_deadline_s": 10.0, "search.exchange_timeout_s": 60.0, "rounds": 200,
                "eval_every": 1, "max_sim_time_s": 180.0}
+HETERO_GASLOC = {"codec": "int8", "inner.total_steps": 45 * 20}
+HETERO_DILOCO = {"clock.bytes_per_param": 2.0, "inner.total_steps": 12 * 20}
 
 SUITES: dict[str, Suite] = {
     "paper": paper_like(
@@ -617,14 +621,17 @@ SUITES: dict[str, Suite] = {
         c={"inner.inner_steps": 3, "rounds": 2, "eval_every": 1}, c_gasloc={"bandwidth_weighted": True},
         notes=["a plumbing check at toy size; its verdicts say nothing about the codecs"]),
     "hetero": hetero_suite(
-        "hetero", base=HETERO_BASE, seeds=[0, 1, 2],
-        notes=["bench/hetero.py's setup on the simulator: 6 workers, 30 vs 3 Mbit, tiny preset, fp32 on the wire, "
-               "H = 20, 180 s of virtual time per run; the live schedule, DiLoCo with hivemind's matchmaking; the "
-               "clock's numbers measured on the bench by bench/hetero_calibrate.py; three seeds"]),
+        "hetero", base=HETERO_BASE, seeds=[0, 1, 2], gasloc=HETERO_GASLOC, diloco=HETERO_DILOCO,
+        notes=["bench/hetero.py's setup on the simulator: 6 workers, 30 vs 3 Mbit, tiny preset, H = 20, 180 s of "
+               "virtual time per run, each method's default wire (GASLoC int8 pairs, DiLoCo float16 all-reduce) and "
+               "the inner lr decayed over each method's rounds; the live schedule, DiLoCo with hivemind's "
+               "matchmaking keyed by epoch; the clock's numbers measured on the bench by bench/hetero_calibrate.py; "
+               "three seeds"]),
     "hetero-smoke": hetero_suite(
         "hetero-smoke", base={**HETERO_BASE, "model.seq_len": 32, "data.batch_size": 2, "data.val_batches": 1,
                               "inner.inner_steps": 3, "max_sim_time_s": 30.0},
-        seeds=[0], notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),
+        seeds=[0], gasloc=HETERO_GASLOC, diloco=HETERO_DILOCO,
+        notes=["a plumbing check at toy size; its verdicts say nothing about the claims"]),
     # claim b's settings (H=20, GASLoC C with gamma = eta = 0.7) with one partner per round
     "overlap": overlap_suite(
         "overlap", workers=8, base=OVERLAP_BASE,

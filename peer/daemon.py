@@ -56,7 +56,7 @@ from gasloc.peer.train.outer import make_outer, mix_applied_once
 from gasloc.peer.transport.staging import Staging
 from gasloc.protocol.averaging import group_mean_weight, mix_pair_
 from gasloc.protocol.decision import Decision, MixJudge
-from gasloc.protocol.donors import adopted_round, cross_check
+from gasloc.protocol.donors import adopted_round, cross_check, record_overclaims
 from gasloc.protocol.guard import FarStreak, swarm_ahead
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.procs import StopSignals
@@ -306,17 +306,20 @@ class Peer:
             return "checkpoint"
         if not self.cfg.swarm.join_from_peers or self.stopping.is_set():
             return None
-        return self._adopt_swarm_state()
+        return self._adopt_swarm_state(fresh=True)
 
-    def _adopt_swarm_state(self, donors_first: Collection[str] = ()) -> str | None:
+    def _adopt_swarm_state(self, donors_first: Collection[str] = (), fresh: bool = False) -> str | None:
         """Download the swarm's parameters and round and take them over; the donor's id (the transport's), or None
         when no donor delivered. Our inner optimizer and data position stay ours, and so does our outer state: it
         is reset to the adopted parameters (a donor's momentum is never adopted: a shifted z_prev would jump the
         model at our next outer step).
 
         Each state is checked on batches only we know (data.private_batches: the validation batches are the same
-        for every peer, so a state could be tuned to pass them): no worse than our own model (a fresh one for a
-        joiner, our trained one for a resync) by guard.val_margin. With swarm.join_cross_check a second donor's
+        for every peer, so a state could be tuned to pass them). A `fresh` joiner's must beat its own untrained
+        model by guard.val_margin: a donor claims rounds of training, and "no worse than untrained" let in the seed
+        state itself (a donor serving its start state as round 14, bench/adversary.py donor-zprev: 4 adoptions) and,
+        on a lucky batch, a state fitted to the shared validation batch (donor-tuned: 1 in 12 joins). A resync's
+        must be no worse than our trained model by guard.val_margin. With swarm.join_cross_check a second donor's
         state is downloaded too, and the two are compared by distance (protocol/donors.py cross_check). The round
         taken over is the lower of the donors' rounds, cut to what we believe of the donor (protocol/claims.py)."""
         swarm = self.cfg.swarm
@@ -331,12 +334,20 @@ class Peer:
                 break
             donor, metadata, params = got
             tried.add(donor)
+            listed = getattr(self.net.live.get(donor), "round", None)
+            if record_overclaims(listed, int(metadata["round"])):
+                log.warning("join: rejected the state of %s code=DISTRUSTED: its record claims round %s, the state "
+                            "it served is of round %s; trying another donor", _short(donor), listed,
+                            metadata["round"])
+                continue
             params = [t.to(self.device) for t in params]
             # the donor's sha256 proves transit integrity only: check what it sent on batches of our own
             loss = self._evaluate_at(params, checks)
-            if not (math.isfinite(loss) and loss <= own_loss * (1 + self.cfg.guard.val_margin)):
+            margin = self.cfg.guard.val_margin
+            if not (math.isfinite(loss) and loss <= own_loss * (1 - margin if fresh else 1 + margin)):
                 log.warning("join: rejected the state of %s code=DISTRUSTED: its loss on our own batches is %.4f, "
-                            "our own model's %.4f; trying another donor", _short(donor), loss, own_loss)
+                            "our own %smodel's %.4f; trying another donor", _short(donor), loss,
+                            "untrained " if fresh else "", own_loss)
                 continue
             states.append((donor, int(metadata["round"]), params, loss))
             outer_of[donor] = metadata.get("outer_tensors") or []

@@ -64,6 +64,21 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+# How far a donor's listed round may run ahead of the state it serves: its record is announced at round boundaries
+# and its snapshot taken at the next one, so an honest record trails or equals the served round (a round of slack
+# for a boundary crossed in between, one for a record refreshed just before a stop)
+MAX_RECORD_LEAD = 2
+
+
+def record_overclaims(listed_round: int | None, served_round: int) -> bool:
+    """A donor whose listing claims more rounds than the state it just served lied in one of the two (its state's
+    round is checked against what we believe of it; its listing was the claim that made it a donor). A joiner's
+    first listing may hold nobody else, so what we believe of a lone peer is its own claim: bench/adversary.py's
+    ready-liar and Sybils (records 1,000 rounds ahead, states honestly trained) were every joiner's donor at round
+    1."""
+    return listed_round is not None and listed_round > served_round + MAX_RECORD_LEAD
+
+
 def pick_donors(believed_rounds: Mapping[str, int], states: Mapping[str, str], tenure_s: Mapping[str, float], *,
                 pool: int, rng: random.Random, exclude: Collection[str] = (),
                 claimed_rounds: Mapping[str, int] | None = None, first: Collection[str] = ()) -> list[str]:

@@ -48,8 +48,11 @@ def check_one_model(h, name: str, tolerance: float = LOSSLESS) -> None:
 def test_diloco_stays_one_model_through_a_freeze_and_a_joiner(harness, bootstrap):
     h = harness
     cfg = write_config(h)
-    # lossless all-reduce (the exchange's default codec is lossy): the anchors must agree to float32 rounding
-    cfg.write_text(cfg.read_text().replace("[diloco]\n", "[diloco]\ninitial_group_size = 3\ncompression = \"none\"\n"))
+    # lossless all-reduce (the exchange's default codec is lossy): the anchors must agree to float32 rounding.
+    # A donor serves one peer a state at most every min_request_interval_s (30 s): with rounds of half a second a
+    # peer behind twice in a row waited that out in a loop of rounds (a real DiLoCo round takes minutes); 5 s here
+    cfg.write_text(cfg.read_text().replace("[diloco]\n", "[diloco]\ninitial_group_size = 3\ncompression = \"none\"\n")
+                   + "\n[state_transfer]\nmin_request_interval_s = 5.0\n")
     # d2's model and anchor jump by 5 % of each tensor's RMS in its round 3: a fork, as a bad restore would make
     fork = h.run_dir / "fork.toml"
     fork.write_text(cfg.read_text() + "\n[fault]\nfork_at_round = 3\n")

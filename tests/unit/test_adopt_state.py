@@ -18,6 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class _Net:
+    live: dict = {}  # the listing: no records (no listed rounds to compare)
     """Donors in the order the network would try them: (donor, round, params)."""
 
     def __init__(self, donors, believed):
@@ -138,3 +139,35 @@ def test_a_diloco_joiner_takes_the_later_of_two_agreeing_states():
         assert p._adopt_swarm_state() == adopted, algorithm
         assert all(torch.equal(a, b) for a, b in zip(p.params, late if adopted == "QmLate" else early))
         assert p.round == (12 if algorithm == "diloco" else 9)
+
+
+def test_a_fresh_joiner_takes_only_a_state_that_learned_something():
+    """bench/adversary.py (2026-12-05, --repeats 3): donor-zprev serves its untouched start state as round 14 and
+    was adopted 4 times, donor-tuned (fitted to the shared validation batch) once: both passed "no worse than our
+    own model" because a joiner's own model is untrained. A fresh joiner now needs a state better than its own by
+    guard.val_margin; a resync (a trained model) still takes one no worse by that margin."""
+    p = _peer([], {})
+    seed_state = [t.detach().clone() for t in p.params]
+    p.net = _Net([("QmSeed", 14, seed_state)], believed={})
+    assert p._adopt_swarm_state(fresh=True) is None and p.round == 0
+    assert p._adopt_swarm_state() == "QmSeed"           # a resync: no worse than ours is enough
+    p = _peer([], {})
+    own = p._evaluate_at(p.params, None)
+    trained = _like(p, 1, 0.0)
+    p._evaluate_at = lambda point, batches=None: own if point is p.params else 0.6 * own
+    p.net = _Net([("QmTrained", 3, trained)], believed={})
+    assert p._adopt_swarm_state(fresh=True) == "QmTrained" and p.round == 3
+
+
+def test_a_donor_whose_record_claims_more_than_the_state_it_serves_is_refused():
+    """bench/adversary.py's ready-liar and Sybils (records 1,000 rounds ahead, states honestly trained) were every
+    joiner's donor at round 1: a lone listed peer's claim is all we can believe of it. Its own state says round 1:
+    one of the two is a lie, and its state is not taken; an honest record trails its state by a round or two."""
+    from types import SimpleNamespace
+    p = _peer([], {})
+    good = _like(p, 1, 0.001)
+    p._evaluate_at = lambda point, batches=None: 5.0 if point is p.params else 3.0
+    p.net = _Net([("QmLiar", 1, good), ("QmHonest", 1, good)], believed={})
+    p.net.live = {"QmLiar": SimpleNamespace(round=1001), "QmHonest": SimpleNamespace(round=3)}
+    assert p._adopt_swarm_state(fresh=True) == "QmHonest"
+    assert p.net.asked[1] == {"QmLiar"}

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class _Net:
+    live: dict = {}  # the listing: no records (no listed rounds to compare)
     def __init__(self, donor, rnd, params, outer):
         self.state = (donor, rnd, params, outer)
 

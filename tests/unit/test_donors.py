@@ -107,3 +107,10 @@ def test_a_donor_claiming_past_what_we_believe_is_no_donor():
     order = pick_donors(believed, states, {}, pool=3, rng=random.Random(0),
                         claimed_rounds={"h1": 20, "liar": 10**9})
     assert order == ["h1"]
+
+
+def test_a_record_may_trail_its_state_but_not_run_ahead_of_it():
+    from gasloc.protocol.donors import MAX_RECORD_LEAD, record_overclaims
+    assert not record_overclaims(None, 5) and not record_overclaims(3, 5) and not record_overclaims(5, 5)
+    assert not record_overclaims(5 + MAX_RECORD_LEAD, 5)
+    assert record_overclaims(6 + MAX_RECORD_LEAD, 5) and record_overclaims(1001, 1)

@@ -56,7 +56,7 @@ from gasloc.peer.train.outer import make_outer, mix_applied_once
 from gasloc.peer.transport.staging import Staging
 from gasloc.protocol.averaging import group_mean_weight, mix_pair_
 from gasloc.protocol.decision import Decision, MixJudge
-from gasloc.protocol.donors import adopted_round, cross_check, record_overclaims
+from gasloc.protocol.donors import adopted_round, cross_check
 from gasloc.protocol.guard import FarStreak, swarm_ahead
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
 from gasloc.runtime.procs import StopSignals
@@ -334,12 +334,6 @@ class Peer:
                 break
             donor, metadata, params = got
             tried.add(donor)
-            listed = getattr(self.net.live.get(donor), "round", None)
-            if record_overclaims(listed, int(metadata["round"])):
-                log.warning("join: rejected the state of %s code=DISTRUSTED: its record claims round %s, the state "
-                            "it served is of round %s; trying another donor", _short(donor), listed,
-                            metadata["round"])
-                continue
             params = [t.to(self.device) for t in params]
             # the donor's sha256 proves transit integrity only: check what it sent on batches of our own
             loss = self._evaluate_at(params, checks)

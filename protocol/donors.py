@@ -38,11 +38,12 @@ def _same_int(value: Any, expected: int) -> bool:
 
 
 def check_metadata(metadata: Any, *, reply_round: int, num_outer: int, donor: str,
-                   max_round: int | None = None) -> tuple[Code, str]:
+                   max_round: int | None = None, listed_round: int | None = None) -> tuple[Code, str]:
     """Whether a donor's reply metadata is consistent with its header and with who sent it: (Code.OK, "") or a code
     and why. `reply_round` and `num_outer` are the reply header's fields (already ints >= 0), `donor` the stream's
     remote peer id, `max_round` the most we believe of its round (protocol/claims.py; None: no bound): a donor
-    that claims more lies about one thing at least, and its state is not taken."""
+    that claims more lies about one thing at least, and its state is not taken. `listed_round` the round its record
+    announces (None: not listed): a state far behind that claim is refused too (record_overclaims)."""
     if not isinstance(metadata, Mapping):
         return Code.BAD_HEADER, f"metadata is a {type(metadata).__name__}, not an object"
     if type(reply_round) is not int or reply_round < 0:
@@ -56,6 +57,9 @@ def check_metadata(metadata: Any, *, reply_round: int, num_outer: int, donor: st
         return Code.DISTRUSTED, f"claims to be {_short(metadata['peer_id'])}, but the stream is from {donor}"
     if max_round is not None and reply_round > max_round:
         return Code.DISTRUSTED, f"claims round {reply_round}, past the {max_round} we believe it can have reached"
+    if record_overclaims(listed_round, reply_round):
+        return Code.DISTRUSTED, (f"its record claims round {listed_round}, the state it serves is of round "
+                                 f"{reply_round}")
     return Code.OK, ""
 
 

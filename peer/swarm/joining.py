@@ -114,7 +114,7 @@ class Joining:
         coro = download_state(self.p2p, [PeerID.from_base58(d) for d in donors], specs, self.fingerprint,
                               self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs,
                               swarm_key=self.swarm_key, hints_in=self.heard, member=self.member_out(),
-                              round_caps=self.round_caps())
+                              round_caps=self.round_caps(), listed_rounds={p: r.round for p, r in live.items()})
         try:
             metadata, tensors = self.aio.run(coro, self.cfg.swarm.join_timeout_s)
         except TimeoutError:

@@ -234,7 +234,8 @@ def _reply_cap(specs: list[TensorSpec]) -> int:
 async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorSpec],
                          outer_specs: list[TensorSpec] | None, fingerprint: str, cfg: StateTransferConfig,
                          swarm_key: bytes | None = None, hints_in: Callable[..., None] | None = None,
-                         member: WireMember | None = None, round_caps: Mapping[str, int] | None = None
+                         member: WireMember | None = None, round_caps: Mapping[str, int] | None = None,
+                         listed_rounds: Mapping[str, int] | None = None
                          ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     ch: Channel | None = None
     me, them = p2p.peer_id.to_base58(), donor.to_base58()
@@ -258,7 +259,8 @@ async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorS
                 raise WireError(Code.NOT_AUTHORIZED, "donor did not prove the swarm key")
             # the metadata is the donor's claim: checked before a byte of payload is read (protocol/donors.py)
             code, why = check_metadata(reply.metadata, reply_round=reply.round, num_outer=reply.num_outer,
-                                       donor=them, max_round=None if round_caps is None else round_caps.get(them))
+                                       donor=them, max_round=None if round_caps is None else round_caps.get(them),
+                                       listed_round=None if listed_rounds is None else listed_rounds.get(them))
             if code != Code.OK:
                 raise WireError(code, why)
             # buffers sized from the validated specs, which equal ours: bounded by our own state size
@@ -290,10 +292,13 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
                          cfg: StateTransferConfig, namespace: str, *,
                          outer_specs: Sequence[SpecLike] | None = None, swarm_key: bytes | None = None,
                          hints_in: Callable[..., None] | None = None, member: WireMember | None = None,
-                         round_caps: Mapping[str, int] | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+                         round_caps: Mapping[str, int] | None = None, listed_rounds: Mapping[str, int] | None = None
+                         ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """The state of the first donor (in the given order) that delivers a verified one: (metadata, tensors).
     `round_caps`: donor peer id -> the most we believe of its round; a donor whose reply claims more is refused
-    (DISTRUSTED) before its payload is read.
+    (DISTRUSTED) before its payload is read. `listed_rounds`: donor peer id -> the round its record announces; a
+    donor whose reply serves a state well behind that claim is refused the same way (protocol/donors.py
+    record_overclaims).
 
     `tensors` are the parameters (matching `specs`) followed, when the donor served outer state and `outer_specs`
     is given, by the outer-state tensors; `metadata["num_outer"]` says how many. Raises StateDownloadError when
@@ -306,7 +311,7 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
     pending = list(donors)
     while pending:
         busy = await _try_donors(p2p, pending, namespace, want, want_outer, fingerprint, cfg, failures, swarm_key,
-                                 hints_in, member, round_caps)
+                                 hints_in, member, round_caps, listed_rounds)
         if isinstance(busy, tuple):
             return busy
         # a BUSY donor serves another joiner or takes our snapshot at its next round boundary: ask it again (the
@@ -320,7 +325,8 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
 async def _try_donors(p2p: P2P, donors: Sequence[PeerID], namespace: str, want: list[TensorSpec],
                       want_outer: list[TensorSpec] | None, fingerprint: str, cfg: StateTransferConfig,
                       failures: list[str], swarm_key: bytes | None, hints_in: Callable[..., None] | None = None,
-                      member: WireMember | None = None, round_caps: Mapping[str, int] | None = None
+                      member: WireMember | None = None, round_caps: Mapping[str, int] | None = None,
+                      listed_rounds: Mapping[str, int] | None = None
                       ) -> tuple[dict[str, Any], list[torch.Tensor]] | list[PeerID]:
     """One pass over the donors: the first verified state, else the donors that answered BUSY."""
     busy = []
@@ -328,7 +334,8 @@ async def _try_donors(p2p: P2P, donors: Sequence[PeerID], namespace: str, want: 
         t0 = time.monotonic()
         try:
             metadata, tensors = await _download_from(p2p, donor, handler_name(namespace), want, want_outer,
-                                                     fingerprint, cfg, swarm_key, hints_in, member, round_caps)
+                                                     fingerprint, cfg, swarm_key, hints_in, member, round_caps,
+                                                     listed_rounds)
         except (TimeoutError, WireError, *STREAM_ERRORS) as e:
             code = e.code.name if isinstance(e, WireError) else ("TIMEOUT" if isinstance(e, TimeoutError) else
                                                                    "FAILED")

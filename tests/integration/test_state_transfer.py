@@ -202,6 +202,10 @@ def test_a_donor_lying_in_its_metadata_is_a_status_code_and_the_next_donor_serve
             with pytest.raises(StateDownloadError, match="DISTRUSTED"):
                 await download_state(joiner, [good.peer_id], SPECS, FP, CFG, NS,
                                      round_caps={good.peer_id.to_base58(): 11})
+            # consistent and believable, but its record announced round 1012 (a ready-liar): refused the same way
+            with pytest.raises(StateDownloadError, match="record claims round 1012"):
+                await download_state(joiner, [good.peer_id], SPECS, FP, CFG, NS,
+                                     listed_rounds={good.peer_id.to_base58(): 1012})
             queue.append(({"round": "soon"}, 3, ""))
             meta, got = await download_state(joiner, [liar.peer_id, good.peer_id], SPECS, FP, CFG, NS)
             assert meta["peer_id"] == good.peer_id.to_base58() and meta["round"] == 12

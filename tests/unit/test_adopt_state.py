@@ -18,7 +18,6 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class _Net:
-    live: dict = {}  # the listing: no records (no listed rounds to compare)
     """Donors in the order the network would try them: (donor, round, params)."""
 
     def __init__(self, donors, believed):
@@ -157,17 +156,3 @@ def test_a_fresh_joiner_takes_only_a_state_that_learned_something():
     p._evaluate_at = lambda point, batches=None: own if point is p.params else 0.6 * own
     p.net = _Net([("QmTrained", 3, trained)], believed={})
     assert p._adopt_swarm_state(fresh=True) == "QmTrained" and p.round == 3
-
-
-def test_a_donor_whose_record_claims_more_than_the_state_it_serves_is_refused():
-    """bench/adversary.py's ready-liar and Sybils (records 1,000 rounds ahead, states honestly trained) were every
-    joiner's donor at round 1: a lone listed peer's claim is all we can believe of it. Its own state says round 1:
-    one of the two is a lie, and its state is not taken; an honest record trails its state by a round or two."""
-    from types import SimpleNamespace
-    p = _peer([], {})
-    good = _like(p, 1, 0.001)
-    p._evaluate_at = lambda point, batches=None: 5.0 if point is p.params else 3.0
-    p.net = _Net([("QmLiar", 1, good), ("QmHonest", 1, good)], believed={})
-    p.net.live = {"QmLiar": SimpleNamespace(round=1001), "QmHonest": SimpleNamespace(round=3)}
-    assert p._adopt_swarm_state(fresh=True) == "QmHonest"
-    assert p.net.asked[1] == {"QmLiar"}

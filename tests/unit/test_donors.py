@@ -114,3 +114,8 @@ def test_a_record_may_trail_its_state_but_not_run_ahead_of_it():
     assert not record_overclaims(None, 5) and not record_overclaims(3, 5) and not record_overclaims(5, 5)
     assert not record_overclaims(5 + MAX_RECORD_LEAD, 5)
     assert record_overclaims(6 + MAX_RECORD_LEAD, 5) and record_overclaims(1001, 1)
+    # checked with the reply's header, before a byte of its payload is read (it was checked after the download)
+    code, why = check_metadata({"round": 1}, reply_round=1, num_outer=0, donor="QmD", listed_round=1001)
+    assert code == Code.DISTRUSTED and "record claims round 1001" in why
+    assert check_metadata({"round": 5}, reply_round=5, num_outer=0, donor="QmD",
+                          listed_round=5 + MAX_RECORD_LEAD)[0] == Code.OK

@@ -55,7 +55,7 @@ from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
 from gasloc.peer.train.outer import make_outer, mix_applied_once
 from gasloc.peer.transport.staging import Staging
 from gasloc.protocol.averaging import group_mean_weight, mix_pair_
-from gasloc.protocol.decision import Decision, MixJudge
+from gasloc.protocol.decision import Decision, MixJudge, PrivateChecks
 from gasloc.protocol.donors import adopted_round, cross_check
 from gasloc.protocol.guard import FarStreak, swarm_ahead
 from gasloc.runtime.lifecycle import StartupError, shutdown_step
@@ -780,19 +780,13 @@ class Peer:
         be tuned to them), the trust change goes to the one trust book the partner search reads, a catch-up is
         noted for the round boundary, and the decision is attached to the round's report."""
         model = len(received) == len(self.params) and all(r.shape == p.shape for r, p in zip(received, self.params))
-        batch = private_batches(self.data, 1) if model else None
         # tensors that are no model (NoLoCo sends two per parameter): no batch check
-        loss = (lambda point: self._evaluate_at(point, batch)) if model else None
-        more: list[torch.Tensor] = []  # drawn only for a second look (a streamed dataset skips what it draws)
-
-        def recheck(point) -> float:
-            if not more:
-                more.extend(private_batches(self.data, self.cfg.guard.recheck_batches))
-            return self._evaluate_at(point, more)
-
+        checks = PrivateChecks(self._evaluate_at, lambda n: private_batches(self.data, n),
+                               self.cfg.guard.recheck_batches) if model else None
         own_round = self.round if ex.offer_round is None else ex.offer_round
         v = self.guard.decide(sent, received, partner=ex.partner or "", own_round=own_round,
-                              partner_round=ex.partner_round, loss=loss, recheck=recheck if model else None,
+                              partner_round=ex.partner_round, loss=checks and checks.loss,
+                              recheck=checks and checks.recheck,
                               listed_rounds=self._listed_rounds(),
                               own_id=self.peer_id, behind_rounds=self.cfg.swarm.resync_behind_rounds)
         trust = self.averaging.policy.judged(ex.partner, v.verdict, time.monotonic())

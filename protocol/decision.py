@@ -413,6 +413,27 @@ class MixJudge:
                         v.own_loss, v.partner_loss, v.partner_better)
 
 
+class PrivateChecks:
+    """The losses one round's mix decisions check on, over batches only this peer knows (the validation batches are
+    every peer's, so a state could be tuned to them): `loss` on one batch drawn at once, `recheck` on `n_more`
+    further batches drawn the first time a second look is asked for and the same ones after (a streamed dataset
+    skips what it draws). `draw(n)` draws n batches, `loss_at(point, batches)` is the mean loss of `point` on them.
+    The live peer and the simulator both decide through it."""
+
+    def __init__(self, loss_at: Callable[[Sequence[torch.Tensor], list], float], draw: Callable[[int], list],
+                 n_more: int):
+        self._loss_at, self._draw, self._n_more = loss_at, draw, n_more
+        self._first, self._more = draw(1), None
+
+    def loss(self, point: Sequence[torch.Tensor]) -> float:
+        return self._loss_at(point, self._first)
+
+    def recheck(self, point: Sequence[torch.Tensor]) -> float:
+        if self._more is None:
+            self._more = self._draw(self._n_more)
+        return self._loss_at(point, self._more)
+
+
 def _widen(d: float, there: float, allow: float, tau: float) -> float:
     """How much to widen tau for a partner at distance `d` from us and `there` from our own path's point at its
     round, that point `allow` from us: d / there, within [1, 1 + allow / tau]."""

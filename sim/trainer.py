@@ -15,7 +15,7 @@ from gasloc.peer.train.outer import make_outer, mix_applied_once
 from gasloc.protocol.averaging import exact_mean, mix
 from gasloc.protocol.codec import parse as codec_parse
 from gasloc.protocol.codec import probe, probe_steps
-from gasloc.protocol.decision import MixJudge
+from gasloc.protocol.decision import MixJudge, PrivateChecks
 from gasloc.sim.config import SimConfig
 
 
@@ -225,20 +225,13 @@ class SimTrainer:
         `carry[i]`: whether this round's correction gets outer momentum (not from a partner it barely knows)."""
         own, out = self._wire_of(i), {}
         self.carry[i] = True
-        batch = [self.guards[i].batches.next_batch()]
         model = len(own) == len(self.params[i])  # else NoLoCo: no batch check
-        loss = (lambda point: self._loss_at(point, batch)) if model else None
-        more: list[torch.Tensor] = []  # the second look's batches, drawn when first asked (as the live peer)
-
-        def recheck(point) -> float:
-            if not more:
-                more.extend(self.guards[i].batches.next_batch() for _ in range(self.cfg.guard.recheck_batches))
-            return self._loss_at(point, more)
-
+        draw = self.guards[i].batches.next_batch
+        checks = PrivateChecks(self._loss_at, lambda n: [draw() for _ in range(n)], self.cfg.guard.recheck_batches)
         for j, t in theirs.items():
             d = self.guards[i].judge.decide(own, t, partner=str(j), own_round=self.rounds[i],
-                                            partner_round=self.rounds[j], loss=loss,
-                                            recheck=recheck if model else None)
+                                            partner_round=self.rounds[j], loss=checks.loss if model else None,
+                                            recheck=checks.recheck if model else None)
             self.guard_counts[d.verdict.action] += 1
             if not d.rejected:
                 out[j] = d.apply(own, t)

@@ -337,3 +337,20 @@ def test_the_batch_check_allows_for_our_own_progress_per_round():
     flat = [decide_at(r + 5 + k, 1.0, 1.0) for k in range(4)]             # then it stops moving
     assert not any(v.rejected for v in flat)
     assert decide_at(r + 9, 1.0, 1.25).rejected
+
+
+def test_private_checks_draw_one_batch_at_once_and_the_second_look_once_when_first_asked():
+    """The live peer and the simulator both check through PrivateChecks: a streamed dataset skips what it draws, so
+    the second look's batches are drawn only when a decision asks for them, and then reused for every point."""
+    from gasloc.protocol.decision import PrivateChecks
+    drawn = []
+
+    def draw(n):
+        drawn.append(n)
+        return [len(drawn)] * n
+
+    checks = PrivateChecks(lambda point, batches: float(sum(batches) + point[0]), draw, 3)
+    assert drawn == [1] and checks.loss([0.5]) == 1.5
+    assert drawn == [1]
+    assert checks.recheck([0.0]) == 6.0 and checks.recheck([1.0]) == 7.0
+    assert drawn == [1, 3]

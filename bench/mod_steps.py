@@ -1,0 +1,180 @@
+"""What the modulo codec's step could buy (issue 32): mod4-sd with other step rules, in the simulator.
+
+    python bench/mod_steps.py --jobs 2 --json mod_steps.json                      # every rule, seeds 0 1 2
+    python bench/mod_steps.py --rules fp32,block --seeds 0 --rounds 2 --workers 4  # a smoke run
+
+`mod4-sd` (protocol/codec.py) sizes one step per tensor from 64 probe values of each side, so that the code range
+spans 8 RMS of the pair's sampled difference. It missed issue 32's 0.5 % by +1.0 % (docs/codecs.md). This asks
+which part of the step rule costs that, on the codec suite's setup (paper-cosine's claim (b), 8 workers, H = 20,
+30 rounds, the cosine over 600 steps; `gasloc sim compare --suite codecs`), each rule paired by seed with the fp32
+wire run in the same invocation:
+
+    fp32        the lossless wire (the baseline)
+    as-built    mod4-sd through the codec's own code (probe steps)
+    band1       as built, and a code difference of 2^(b-1) - 1 or more left unmixed on both sides (a guard band
+                against wraps: a coordinate just past the range reads as the far end and is not pulled wrongly)
+    tensor      a step per tensor from the whole difference's RMS (no probe noise): what a perfect probe gives
+    block       a step per 64-value block from that block's own difference RMS: an oracle, since neither side
+                knows the difference before the exchange; it bounds what per-block steps could buy
+    movement    a step per block whose shape comes from each side's own movement this round (y - anchor, the
+                block's RMS rounded to a power of 2^(1/2), the larger of the two sides', as 4-bit codes both
+                could send), scaled so that the tensor's RMS is the pair's actual difference: an implementable
+                per-block rule, if the movement predicted the difference
+
+Every rule but fp32 and as-built replaces the simulator's modulo exchange (sim/trainer.py `_modulo_wire`) with the
+same arithmetic written here: both sides round y / step with the exchange's shared dither, send the integers modulo
+2^b and decode y_i + step * d, the pair's mean exact (d read as -d by the partner). It is an experiment, not a
+codec: nothing here is on any wire.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from concurrent.futures import ProcessPoolExecutor
+
+import click
+import torch
+
+RULES = ("fp32", "as-built", "band1", "tensor", "block", "movement")
+BITS, BLOCK, RANGE_RMS = 4, 64, 8.0
+HALF = 1 << (BITS - 1)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, (-x.numel()) % BLOCK)).view(-1, BLOCK)
+
+
+def _block_rms(x: torch.Tensor) -> torch.Tensor:
+    return x.square().mean(1, keepdim=True).sqrt()
+
+
+def _log_code(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to a power of 2^(1/2): what a 4-bit log code per block carries."""
+    return torch.exp2(torch.round(torch.log2(x.clamp_min(1e-20)) * 2) / 2)
+
+
+def steps_for(rule: str, a: torch.Tensor, b: torch.Tensor, ma: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+    """The step of every block (a column) for one pair of flat float64 tensors: ours `a`, theirs `b`, and each
+    side's movement this round `ma`, `mb`."""
+    diff = _blocks(b - a)
+    if rule == "block":
+        rms = _block_rms(diff)
+    elif rule == "movement":
+        shape = torch.maximum(_log_code(_block_rms(_blocks(ma))), _log_code(_block_rms(_blocks(mb))))
+        rms = shape * (diff.square().mean().sqrt() / shape.square().mean().sqrt().clamp_min(1e-30))
+    else:   # tensor (band1 goes through the probe, below)
+        rms = diff.square().mean().sqrt().expand(diff.shape[0], 1)
+    return (RANGE_RMS * rms / HALF).clamp_min(1e-9)
+
+
+def code_pair(step: torch.Tensor, a: torch.Tensor, b: torch.Tensor, gen: torch.Generator, band: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what a decodes of b, what b decodes of a): modulo codes with a shared dither, per-block steps."""
+    n = a.numel()
+    ab, bb = _blocks(a), _blocks(b)
+    u = torch.rand(ab.shape, generator=gen, dtype=torch.float64)
+    d = (torch.floor(bb / step + u) - torch.floor(ab / step + u) + HALF).remainder(2 * HALF) - HALF
+    d = torch.where((d == -HALF) | (d.abs() >= HALF - band), torch.zeros_like(d), d) if band else \
+        torch.where(d == -HALF, torch.zeros_like(d), d)
+    return (ab + step * d).view(-1)[:n], (bb - step * d).view(-1)[:n]
+
+
+def _patched_modulo_wire(rule: str):
+    from gasloc.protocol.codec import probe, probe_steps
+
+    def _modulo_wire(self, partners) -> None:
+        numels = [p.numel() for p in self.params[0]]
+        for i, ps in partners.items():
+            if ps:
+                self.wire[i] = self.sent[i]
+        done = set()
+        for i, ps in partners.items():
+            for j in ps:
+                if (j, i) in done:
+                    continue
+                done.add((i, j))
+                seed = hash((self.pair_seed, min(i, j), max(i, j))) & 0x7FFFFFFF
+                gen = torch.Generator().manual_seed(seed)
+                probed = probe_steps(self.codec, numels, probe(self.sent[i], seed), probe(self.sent[j], seed)) \
+                    if rule == "band1" else None
+                wi, wj = [], []
+                for k, (a, b, xa, xb) in enumerate(zip(self.sent[i], self.sent[j], self.outers[i].anchor,
+                                                       self.outers[j].anchor)):
+                    fa, fb = a.reshape(-1).double(), b.reshape(-1).double()
+                    if probed is not None:
+                        step = torch.full((-(-fa.numel() // BLOCK), 1), probed[k], dtype=torch.float64)
+                    else:
+                        step = steps_for(rule, fa, fb, fa - xa.reshape(-1).double(), fb - xb.reshape(-1).double())
+                    da, db = code_pair(step, fa, fb, gen, band=1 if rule == "band1" else 0)
+                    wi.append(da.float().view_as(a))
+                    wj.append(db.float().view_as(b))
+                self.wire[(i, j)], self.wire[(j, i)] = wi, wj
+    return _modulo_wire
+
+
+def run_one(rule: str, seed: int, overrides: dict) -> dict:
+    from gasloc.sim.runner import run
+    from gasloc.sim.suite import SUITES, RunSpec, _config
+    from gasloc.sim.trainer import SimTrainer
+
+    suite = SUITES["codecs"]
+    b = next(r.overrides for r in suite.runs if r.overrides.get("codec") == "float32")
+    spec = {**b, **overrides, "seed": seed, "codec": "float32" if rule == "fp32" else f"mod{BITS}-sd"}
+    original = SimTrainer._modulo_wire
+    if rule not in ("fp32", "as-built"):
+        SimTrainer._modulo_wire = _patched_modulo_wire(rule)
+    try:
+        r = run(_config(suite, RunSpec(f"{rule}-s{seed}", spec)))
+    finally:
+        SimTrainer._modulo_wire = original
+    return {"rule": rule, "seed": seed, "final": r["final_val_loss"], "consensus": r["evals"][-1].get("consensus")}
+
+
+def table(rows: list[dict]) -> str:
+    base = {r["seed"]: r["final"] for r in rows if r["rule"] == "fp32"}
+    out = ["| rule | final val loss by seed | against fp32, paired | mean | consensus at the end |",
+           "|---|---|---|---|---|"]
+    for rule in dict.fromkeys(r["rule"] for r in rows):
+        rs = sorted((r for r in rows if r["rule"] == rule), key=lambda r: r["seed"])
+        rel = [100 * (r["final"] / base[r["seed"]] - 1) for r in rs if r["seed"] in base] if rule != "fp32" else []
+        finals = ", ".join(f"{r['final']:.4f}" for r in rs)
+        paired = ", ".join(f"{x:+.2f} %" for x in rel)
+        mean = f"{statistics.mean(rel):+.2f} %" if rel else ""
+        consensus = ", ".join(f"{r['consensus']:.3f}" for r in rs)
+        out.append(f"| {rule} | {finals} | {paired} | {mean} | {consensus} |")
+    return "\n".join(out)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--rules", default=",".join(RULES), show_default=True, help=f"comma-separated, from {', '.join(RULES)}")
+@click.option("--seeds", default="0,1,2", show_default=True)
+@click.option("--jobs", type=click.IntRange(1, 16), default=1, show_default=True, help="runs at once (processes)")
+@click.option("--rounds", type=click.IntRange(1), default=None, help="fewer rounds (a smoke run)")
+@click.option("--workers", type=click.IntRange(2), default=None, help="fewer workers (a smoke run)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def main(rules: str, seeds: str, jobs: int, rounds: int | None, workers: int | None, json_path: str | None) -> None:
+    chosen = [r.strip() for r in rules.split(",") if r.strip()]
+    if bad := [r for r in chosen if r not in RULES]:
+        raise click.BadParameter(f"unknown rule(s) {', '.join(bad)}; choose from {', '.join(RULES)}",
+                                 param_hint="--rules")
+    try:
+        seed_list = [int(s) for s in seeds.split(",") if s.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{seeds!r} is not a comma-separated list of integers",
+                                 param_hint="--seeds") from None
+    if "fp32" not in chosen:
+        chosen.insert(0, "fp32")   # every rule is read against the lossless wire of the same invocation
+    overrides = {k: v for k, v in (("rounds", rounds), ("workers", workers)) if v is not None}
+    tasks = [(rule, s) for s in seed_list for rule in chosen]
+    with ProcessPoolExecutor(jobs) as pool:
+        rows = list(pool.map(run_one, *zip(*tasks), [overrides] * len(tasks)))
+    for r in rows:
+        click.echo(f"{r['rule']} seed {r['seed']}: final {r['final']:.4f} consensus {r['consensus']:.3f}", err=True)
+    click.echo(table(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"rows": rows, "overrides": overrides}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

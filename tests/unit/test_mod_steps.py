@@ -1,0 +1,47 @@
+"""bench/mod_steps.py, the step-rule experiment for the modulo codec (issue 32): its pair arithmetic keeps the pair's
+mean for every rule, decodes the partner within a step where the pair is within range, and its CLI runs a smoke
+invocation through the simulator with the table it documents."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+from mod_steps import HALF, RULES, code_pair, steps_for  # noqa: E402
+
+
+@pytest.mark.parametrize("rule", ["tensor", "block", "movement"])
+@pytest.mark.parametrize("band", [0, 1])
+def test_the_pair_mean_is_kept_and_the_partner_read_within_a_step(rule, band):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1000, generator=g, dtype=torch.float64)
+    b = a + 0.01 * torch.randn(1000, generator=g, dtype=torch.float64)
+    b[::100] += 1.0                                         # a tenth of a percent far past any range: wraps
+    ma, mb = 0.01 * torch.randn(1000, generator=g, dtype=torch.float64), 0.01 * torch.randn(1000, generator=g,
+                                                                                             dtype=torch.float64)
+    step = steps_for(rule, a, b, ma, mb)
+    da, db = code_pair(step, a, b, torch.Generator().manual_seed(1), band=band)
+    assert torch.allclose(da + db, a + b, rtol=0, atol=1e-12)          # z_i + z_j = y_i + y_j, wraps and all
+    near = torch.ones(1000, dtype=torch.bool)
+    near[::100] = False
+    per = step.expand(-1, 64).reshape(-1)[:1000]          # each coordinate's step
+    within = near & ((b - a).abs() < (HALF - 1 - band) * per)
+    assert within.sum() > 900
+    assert ((da - b).abs()[within] <= per[within] + 1e-12).all()
+
+
+def test_the_cli_runs_a_smoke_invocation_and_refuses_an_unknown_rule():
+    run = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,movement", "--seeds", "0",
+                          "--rounds", "1", "--workers", "2"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split("|")[1].strip() for r in rows] == ["fp32", "block", "movement"]   # fp32 always, first
+    bad = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,psychic"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "psychic" in bad.stderr and "Traceback" not in bad.stderr
+    assert set(RULES) >= {"fp32", "as-built", "block"}

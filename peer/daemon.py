@@ -785,8 +785,8 @@ class Peer:
                                self.cfg.guard.recheck_batches) if model else None
         own_round = self.round if ex.offer_round is None else ex.offer_round
         v = self.guard.decide(sent, received, partner=ex.partner or "", own_round=own_round,
-                              partner_round=ex.partner_round, loss=checks and checks.loss,
-                              recheck=checks and checks.recheck,
+                              partner_round=ex.partner_round, loss=checks.loss if checks else None,
+                              recheck=checks.recheck if checks else None,
                               listed_rounds=self._listed_rounds(),
                               own_id=self.peer_id, behind_rounds=self.cfg.swarm.resync_behind_rounds)
         trust = self.averaging.policy.judged(ex.partner, v.verdict, time.monotonic())

@@ -102,9 +102,11 @@ class Joining:
         # a peer that announces a round past what we believe of it (protocol/claims.py) lies, and is no donor; one
         # whose reply claims more than that is refused before its payload is read
         believed = {p: r for p, r in self.believed_rounds().items() if p not in skip}
+        # what each listing claims: it orders no donor, and a reply that serves a state well behind it is refused
+        claimed = {p: r.round for p, r in live.items()}
         donors = pick_donors(believed, {p: r.state for p, r in live.items()}, self.tenure(),
                              pool=self.cfg.swarm.join_donor_pool, rng=random.Random(), exclude=exclude,
-                             claimed_rounds={p: r.round for p, r in live.items()}, first=first)
+                             claimed_rounds=claimed, first=first)
         if not donors:
             log.info("join: no live peer has trained yet; starting from the seed model")
             return None
@@ -114,7 +116,7 @@ class Joining:
         coro = download_state(self.p2p, [PeerID.from_base58(d) for d in donors], specs, self.fingerprint,
                               self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs,
                               swarm_key=self.swarm_key, hints_in=self.heard, member=self.member_out(),
-                              round_caps=self.round_caps(), listed_rounds={p: r.round for p, r in live.items()})
+                              round_caps=self.round_caps(), listed_rounds=claimed)
         try:
             metadata, tensors = self.aio.run(coro, self.cfg.swarm.join_timeout_s)
         except TimeoutError:

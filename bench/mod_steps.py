@@ -74,8 +74,9 @@ def code_pair(step: torch.Tensor, a: torch.Tensor, b: torch.Tensor, gen: torch.G
     ab, bb = _blocks(a), _blocks(b)
     u = torch.rand(ab.shape, generator=gen, dtype=torch.float64)
     d = (torch.floor(bb / step + u) - torch.floor(ab / step + u) + HALF).remainder(2 * HALF) - HALF
-    d = torch.where((d == -HALF) | (d.abs() >= HALF - band), torch.zeros_like(d), d) if band else \
-        torch.where(d == -HALF, torch.zeros_like(d), d)
+    # d is in [-HALF, HALF): |d| >= HALF is the one difference both sides read alike (-HALF), left unmixed; a band
+    # leaves the next `band` on either side unmixed too
+    d = torch.where(d.abs() >= HALF - band, torch.zeros_like(d), d)
     return (ab + step * d).view(-1)[:n], (bb - step * d).view(-1)[:n]
 
 

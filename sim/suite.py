@@ -602,7 +602,8 @@ SUITES: dict[str, Suite] = {
         b={"inner.inner_steps": 20, "rounds": 30, "eval_every": 3, "inner.lr": 2e-3, "inner.total_steps": 600},
         seeds=[0, 1, 2], codecs={"int8": 0.005, "int4": 0.005, "int4-rn": 0.005, "int4-sd": 0.005, "int3": 0.005,
                                    "int8-p10": 0.02, "int4-p20": 0.02, "mod4": 0.005, "mod4-sd": 0.005,
-                                   "mod3-sd": 0.005, "mod4-p25": 0.02, "mod2-p50-sd": 0.02},
+                                   "mod3-sd": 0.005, "mod4-p25": 0.02, "mod2-p50-sd": 0.02,
+                                   "mod8-p50-sd": 0.005, "int8-p48": 0.005, "mod8-p12-sd": 0.02},
         notes=["paper-cosine's claim (b) setup (8 workers, tiny preset, H = 20, inner lr 2e-3 decayed by a cosine over "
                "600 steps, 30 rounds, random, uniform links, schedule live), GASLoC with its defaults, once per "
                "codec and seed; both sides mix the wire forms (symmetric mixing)"]),

@@ -30,11 +30,12 @@ from e2e.swarm_helpers import start_event, val_losses, write_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from adversary import measure, run_swarm  # noqa: E402  (the adversary bench's swarms and figures)
 
-# 12 rounds, two clean swarms: a swarm's start and stop cost about as much as 16 rounds of it, and this test was a
-# fifth of `make test` with seven swarms of 16 rounds (the bench runs more of both, bench/adversary.py)
+# 12 rounds, one clean swarm: a swarm's start and stop cost about as much as 16 rounds of it, and this test was a
+# fifth of `make test` with seven swarms of 16 rounds; the bench runs more of both against its 10 % bound
+# (bench/adversary.py), this test only catches what BOUND's 30 % does
 ROUNDS = 12
 BOUND = 1.3  # the attacked swarms' honest median against the worst clean one (see the test for why not 1.05)
-CLEAN_RUNS = 2
+CLEAN_RUNS = 1
 CHECKED = ("noisy", "scaled", "uphill", "echo")
 
 
@@ -67,8 +68,7 @@ def test_honest_peers_hold_against_hostile_volunteers(harness):
               for i in range(CLEAN_RUNS)]
     medians = [c["val"] for c in cleans]
     base = max(medians)
-    print(f"clean swarms: honest median final val loss {[round(m, 4) for m in medians]} "
-          f"(spread {base / min(medians) - 1:+.1%})")
+    print(f"clean swarm(s): honest median final val loss {[round(m, 4) for m in medians]}")
     assert base < 4.0, medians  # the clean swarms learned (a fresh tiny model is at ~5.2)
     for c in cleans:
         assert not c["crashes"], c

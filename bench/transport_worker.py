@@ -54,16 +54,21 @@ def digest(ts: list[torch.Tensor]) -> list[tuple[float, torch.Tensor]]:
     return [(float(t.double().sum()), t.reshape(-1)[:SAMPLE].float().clone()) for t in ts]
 
 
-def check(got, want_digest, wire: str, exact: bool = True) -> str:
+def check(got, want_digest, wire: str, exact: bool = True, own_digest=None) -> str:
     """"ok" when `got` matches the digest: bit-exact for a float32 transfer, within 16-bit rounding otherwise, and
     within float32 rounding for the averager's float32 mean (`exact=False`); a blockwise codec within one step of
     its scale, and its sum within six standard deviations of stochastic rounding's noise. Else "MISMATCH" with what
     differs, so a rare failure says whether the values are off a little or not averaged at all."""
-    from gasloc.protocol.codec import parse
+    from gasloc.protocol.codec import RANGE_RMS, parse
     codec = parse(wire)
     if codec.block:
         for i, (t, (total, head)) in enumerate(zip(got, want_digest)):
-            step = float(head.abs().max()) / ((1 << (codec.bits - 1)) - 1) * 2   # a block's max may exceed the head's
+            if codec.modulo:   # the pair's step: its code range spans RANGE_RMS of their difference (2x: the probes'
+                #                estimate of it); decoded against our own tensors, within a step of the partner's
+                rms = float((head - own_digest[i][1]).square().mean().sqrt())
+                step = 2 * RANGE_RMS * rms / (1 << (codec.bits - 1))
+            else:
+                step = float(head.abs().max()) / ((1 << (codec.bits - 1)) - 1) * 2   # a block's max may exceed the head's
             diff = (t.reshape(-1)[:SAMPLE].float() - head).abs()
             total_got = float(t.double().sum())
             if float(diff.max()) > step or abs(total_got - total) > 6 * step * t.numel() ** 0.5:
@@ -134,14 +139,20 @@ class Worker:
             self.bundles.clear()      # one configuration at a time: bounded memory
             theirs = make_tensors(params, seed_theirs)
             own = make_tensors(params, seed_mine)
+            from gasloc.protocol.codec import parse as parse_codec
+            if parse_codec(wire).modulo:   # a modulo code assumes close partners: 2.5 % of a weight apart, as live
+                base = make_tensors(params, 0)
+                own, theirs = ([b + 0.025 * t for b, t in zip(base, ts)] for ts in (own, theirs))
+                del base
             self.bundles[(params, wire)] = {
-                "own": own, "want": digest(theirs), "avg": digest([(a + b) / 2 for a, b in zip(own, theirs)]),
+                "own": own, "own_digest": digest(own), "want": digest(theirs), "avg": digest([(a + b) / 2 for a, b in zip(own, theirs)]),
                 # tcp and the raw stream move a cast's bytes; a blockwise codec is the exchange's alone
                 "recv": [torch.empty(params // NUM_TENSORS, dtype=getattr(torch, wire, torch.uint8))
                          for _ in range(NUM_TENSORS)]}
             del theirs
         b = self.bundles[(params, wire)]
-        st = {"method": method, "params": params, "wire": wire, "own": b["own"], "want": b["want"], "recv": b["recv"]}
+        st = {"method": method, "params": params, "wire": wire, "own": b["own"], "own_digest": b["own_digest"],
+              "want": b["want"], "recv": b["recv"]}
         if method == "gasloc":
             from gasloc.peer.transport.exchange import ExchangeConfig, Exchanger
             cfg = ExchangeConfig(codec=wire, exchange_timeout_s=3600, accept_timeout_s=60,
@@ -224,7 +235,7 @@ class Worker:
                     raise RuntimeError(f"gasloc exchange failed: {res.log_line()}")
                 got = res.tensors
             seconds = time.perf_counter() - t0
-        verdict = check(got, st["want"], wire)
+        verdict = check(got, st["want"], wire, own_digest=st["own_digest"])
         if method == "gasloc":
             st["ex"].recycle(got)        # as the daemon does once it mixed: the next exchange reuses the memory
         return {"seconds": seconds, "check": verdict}

@@ -167,3 +167,23 @@ def test_reap_descendants_kills_an_orphan_that_left_the_workers_session():
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), signal.SIGKILL)
+
+
+def test_the_workers_check_reads_a_modulo_partner_against_the_pairs_own_step():
+    # a modulo codec's partner is decoded against our own tensors: within the pair's step of the partner (its code
+    # range spans RANGE_RMS of the difference), not within a blockwise scale's step of the weights
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import torch
+        from transport_worker import check, digest
+    finally:
+        sys.path.pop(0)
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(4096, generator=g) for _ in range(2)]
+    own = [b + 0.025 * torch.randn(4096, generator=g) for b in base]
+    theirs = [b + 0.025 * torch.randn(4096, generator=g) for b in base]
+    step = 8 * 0.025 * 2 ** 0.5 / 8   # RANGE_RMS x the difference's RMS / 2^(b-1)
+    near = [t + step * (torch.rand(4096, generator=g) - 0.5) for t in theirs]
+    assert check(near, digest(theirs), "mod4-sd", own_digest=digest(own)) == "ok"
+    far = [t + 3 * step for t in theirs]   # three steps off: a wrong decode
+    assert check(far, digest(theirs), "mod4-sd", own_digest=digest(own)).startswith("MISMATCH")

@@ -2,6 +2,10 @@
 
     python bench/mod_steps.py --jobs 2 --json mod_steps.json                      # every rule, seeds 0 1 2
     python bench/mod_steps.py --rules fp32,block --seeds 0 --rounds 2 --workers 4  # a smoke run
+    python bench/mod_steps.py --rules as-built --mix-weight 0.45 --jobs 2           # mod4-sd at another weight
+
+The modulo rules mix with mod4-sd's own weight (0.4, protocol/codec.py; invocation E ran before it, at the pair's
+mean 0.5: `--mix-weight 0.5` runs E again), fp32 with the pair's mean, its best (docs/codecs.md invocation G).
 
 `mod4-sd` (protocol/codec.py) sizes one step per tensor from 64 probe values of each side, so that the code range
 spans 8 RMS of the pair's sampled difference. It missed issue 32's 0.5 % by +1.0 % (docs/codecs.md). This asks
@@ -113,7 +117,7 @@ def _patched_modulo_wire(rule: str):
     return _modulo_wire
 
 
-def run_one(rule: str, seed: int, overrides: dict) -> dict:
+def run_one(rule: str, seed: int, overrides: dict, mix_weight: float | None = None) -> dict:
     from gasloc.sim.runner import run
     from gasloc.sim.suite import SUITES, RunSpec, _config
     from gasloc.sim.trainer import SimTrainer
@@ -121,6 +125,8 @@ def run_one(rule: str, seed: int, overrides: dict) -> dict:
     suite = SUITES["codecs"]
     b = next(r.overrides for r in suite.runs if r.overrides.get("codec") == "float32")
     spec = {**b, **overrides, "seed": seed, "codec": "float32" if rule == "fp32" else f"mod{BITS}-sd"}
+    if mix_weight is not None and rule != "fp32":   # fp32 keeps the pair's mean, its best (docs/codecs.md G)
+        spec["outer.mix_weight"] = mix_weight
     original = SimTrainer._modulo_wire
     if rule not in ("fp32", "as-built"):
         SimTrainer._modulo_wire = _patched_modulo_wire(rule)
@@ -128,7 +134,8 @@ def run_one(rule: str, seed: int, overrides: dict) -> dict:
         r = run(_config(suite, RunSpec(f"{rule}-s{seed}", spec)))
     finally:
         SimTrainer._modulo_wire = original
-    return {"rule": rule, "seed": seed, "final": r["final_val_loss"], "consensus": r["evals"][-1].get("consensus")}
+    return {"rule": rule, "seed": seed, "final": r["final_val_loss"], "consensus": r["evals"][-1].get("consensus"),
+            "mix_weight": mix_weight}
 
 
 def table(rows: list[dict]) -> str:
@@ -152,8 +159,12 @@ def table(rows: list[dict]) -> str:
 @click.option("--jobs", type=click.IntRange(1, 16), default=1, show_default=True, help="runs at once (processes)")
 @click.option("--rounds", type=click.IntRange(1), default=None, help="fewer rounds (a smoke run)")
 @click.option("--workers", type=click.IntRange(2), default=None, help="fewer workers (a smoke run)")
+@click.option("--mix-weight", type=click.FloatRange(0, 0.5, min_open=True), default=None,
+              help="the modulo rules' weight per partner (default: the codec's own, 0.4 for mod4-sd; E ran at 0.5); "
+                   "fp32 keeps the pair's mean")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def main(rules: str, seeds: str, jobs: int, rounds: int | None, workers: int | None, json_path: str | None) -> None:
+def main(rules: str, seeds: str, jobs: int, rounds: int | None, workers: int | None, mix_weight: float | None,
+         json_path: str | None) -> None:
     chosen = [r.strip() for r in rules.split(",") if r.strip()]
     if bad := [r for r in chosen if r not in RULES]:
         raise click.BadParameter(f"unknown rule(s) {', '.join(bad)}; choose from {', '.join(RULES)}",
@@ -168,13 +179,13 @@ def main(rules: str, seeds: str, jobs: int, rounds: int | None, workers: int | N
     overrides = {k: v for k, v in (("rounds", rounds), ("workers", workers)) if v is not None}
     tasks = [(rule, s) for s in seed_list for rule in chosen]
     with ProcessPoolExecutor(jobs) as pool:
-        rows = list(pool.map(run_one, *zip(*tasks), [overrides] * len(tasks)))
+        rows = list(pool.map(run_one, *zip(*tasks), [overrides] * len(tasks), [mix_weight] * len(tasks)))
     for r in rows:
         click.echo(f"{r['rule']} seed {r['seed']}: final {r['final']:.4f} consensus {r['consensus']:.3f}", err=True)
     click.echo(table(rows))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"rows": rows, "overrides": overrides}, f, indent=1)
+            json.dump({"rows": rows, "overrides": overrides, "mix_weight": mix_weight}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,14 @@ def group_mean_weight(num_partners: int) -> float:
     return 1.0 / (num_partners + 1)
 
 
+def pair_weight(configured: float | None, codec_weight: float | None = None) -> float:
+    """The weight of a pairwise mix: the configured one (outer.mix_weight), else the wire codec's (a noisy wire pulls
+    by less, protocol/codec.py Codec.mix_weight), else the pair's mean. The live peer and the simulator both ask this."""
+    if configured is not None:
+        return configured
+    return codec_weight if codec_weight is not None else group_mean_weight(1)
+
+
 @torch.no_grad()
 def mix(own: Sequence[torch.Tensor], partners: Sequence[Sequence[torch.Tensor]], weight: float | None = None
         ) -> list[torch.Tensor]:

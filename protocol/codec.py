@@ -72,10 +72,17 @@ import torch
 from gasloc.protocol.messages import MAX_CODEC_CHARS
 
 # the exchange's default, chosen by measurement (docs/codecs.md): the cheapest codec within 0.5 % of the fp32 wire's
-# loss at equal tokens in the simulator (three seeds). No 4-bit codec measured passes that bound yet (int4 +8.5 %,
-# int4-rn +2.9 %, int4-sd +11.7 %): blockwise rounding of the weights themselves adds noise of ~14 % of a weight
-# a mix, five times the partners' distance
-DEFAULT_CODEC = "int8"
+# loss at equal tokens in the simulator (paired seeds). mod4-sd at its mix weight (below): +0.43 % on seeds 0-2,
+# +0.18 % on 0-4, at 4.0 bits a parameter. Blockwise rounding of the weights themselves at 4 bits costs 2.9-11.7 %
+# (noise of ~14 % of a weight a mix, five times the partners' distance); int8 (8.25 bits) was the default before
+DEFAULT_CODEC = "mod4-sd"
+# the weight per partner a dense 4-bit modulo code mixes with where outer.mix_weight is unset (the pair's mean, 0.5,
+# otherwise). Its decoded difference carries rounding noise of about a sixth of the difference's square (a step is
+# the difference's RMS), and the pair's mean takes that noise in whole: pulling each side by less leaves part of the
+# difference but less of the noise (for a noise share r the pair ends closest at 0.5 / (1 + r), about 0.43). Measured
+# (docs/codecs.md invocation G): 0.35 +1.6 %, 0.4 +0.4 %, 0.45 +1.3 %, 0.5 +1.15 % over fp32; 0.4 halves the
+# consensus distance
+MODULO4_MIX_WEIGHT = 0.4
 DEFAULT_BLOCK = 64
 CASTS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BLOCK_BITS = (2, 3, 4, 8)
@@ -119,6 +126,14 @@ class Codec:
         """Encoding needs the exchange's seed (a sparse codec's blocks, a shared dither) or its agreed steps (a
         modulo codec): once per exchange."""
         return self.sparse or self.shared or self.modulo
+
+    @property
+    def mix_weight(self) -> float | None:
+        """The weight per partner this codec's rounding warrants where outer.mix_weight is unset (None: the pair's
+        mean). Set only where measured: the dense 4-bit modulo code with the shared dither. Both sides of a modulo
+        exchange run the same codec (any other is BAD_DTYPE), so both pull by the same weight and the pair's mean
+        stays exact."""
+        return MODULO4_MIX_WEIGHT if self.modulo and self.shared and self.bits == 4 and not self.sparse else None
 
     @property
     def sparse(self) -> bool:

@@ -483,17 +483,18 @@ PAPER_BASE = {"model.preset": "tiny", "model.seq_len": 64, "data.batch_size": 4,
 # the overlap suites: delayed mixing is simulated on the lockstep schedule only
 OVERLAP_BASE = {**PAPER_BASE, "schedule": "lockstep"}
 
-# bench/hetero.py's setup (its PEER_TOML and netlab links): 6 peers, even ones on 30 Mbit and odd ones on 3 Mbit,
-# tiny preset (885,888 numbers), H = 20, partner deadline 10 s, exchange timeout 60 s, 180 s per run, DiLoCo's
-# matchmaking 5 s and its start barrier of all six; every peer evaluates after every round. Each method with its
-# defaults, as the bench runs them since 2026-12-05 (HETERO_GASLOC / HETERO_DILOCO): GASLoC's int8 pairs, DiLoCo's
-# float16 all-reduce, and the inner lr decayed by a cosine to 0.1 over each method's rounds in 180 s (bench/hetero.py
-# --decay-rounds: 45 and 12). The clock's numbers are the bench's own, measured by `bench/hetero_calibrate.py` over
-# the invocations the claims compare with (K1-K3, 2026-12-05, 9 runs, commit 0b42be8; docs/sim-results.md): 0.041 s
-# per inner step; transfers over a slow link at 0.86 of the tbf rate (pair exchanges; 0.67 for hivemind's
-# all-reduce); all-reduce durations with a coefficient of variation of 0.145; every peer listed all others from its
-# first round (the barrier waits for them). Over Z1-Z3 (2026-12-02, fp32 wires, the DiLoCo that forked) they were
-# 0.053 s, 0.73, 0.68, 0.12, and listings that held 0.32 of the others for the first 2.9 s
+# bench/hetero.py's setup (its PEER_TOML and netlab links): 6 peers, even ones on 30 Mbit and odd ones on 3 Mbit, tiny
+# preset (885,888 numbers), H = 20, partner deadline 10 s, exchange timeout 60 s, 180 s per run, DiLoCo's matchmaking
+# 5 s and its start barrier of all six; every peer evaluates after every round. Each method with its defaults, as the
+# bench ran them for K1-K3 (HETERO_GASLOC / HETERO_DILOCO): GASLoC's int8 pairs (its default then; mod4-sd since
+# docs/codecs.md G, not yet run on this setup), DiLoCo's float16 all-reduce, and the inner lr decayed by a cosine to
+# 0.1 over each method's rounds in 180 s (bench/hetero.py --decay-rounds: 45 and 12). The clock's numbers are the
+# bench's own, measured by `bench/hetero_calibrate.py` over the invocations the claims compare with (K1-K3,
+# 2026-12-05, 9 runs, commit 0b42be8; docs/sim-results.md): 0.041 s per inner step; transfers over a slow link at 0.86
+# of the tbf rate (pair exchanges; 0.67 for hivemind's all-reduce); all-reduce durations with a coefficient of
+# variation of 0.145; every peer listed all others from its first round (the barrier waits for them). Over Z1-Z3
+# (2026-12-02, fp32 wires, the DiLoCo that forked) they were 0.053 s, 0.73, 0.68, 0.12, and listings that held 0.32 of
+# the others for the first 2.9 s
 HETERO_BASE = {"workers": 6, "model.preset": "tiny", "model.seq_len": 64, "data.batch_size": 4,
                "data.val_batches": 4, "inner.inner_steps": 20, "inner.warmup_steps": 20, "inner.lr": 2e-3,
                "clock.profile": "hetero-bench", "clock.seconds_per_step": 0.041, "clock.latency_ms": 0.5,

@@ -131,9 +131,11 @@ class SimTrainer:
 
     def mix_round(self, partners: Mapping[int, list[int]]) -> None:
         """Edge weights are symmetric (w_ij = w_ji), so every round keeps the swarm mean: the configured weight,
-        else the Metropolis weight 1/(1 + max(deg_i, deg_j)) - 1/2 for a plain pair (the pair mean), 1/3 where
-        either side has two partners this round."""
+        else the codec's (a pairwise one), else the Metropolis weight 1/(1 + max(deg_i, deg_j)) - 1/2 for a plain
+        pair (the pair mean), 1/3 where either side has two partners this round."""
         degree = {i: len(ps) for i, ps in partners.items()}
+        # a noisy wire's own weight, as a live peer's (protocol/averaging.py pair_weight): only pairwise codecs have one
+        codec_w = self.codec.mix_weight if self.codec is not None else None
         if self.codec is not None and self.codec.seeded:
             self._seeded_wire(partners)
         for i, ps in partners.items():
@@ -145,7 +147,8 @@ class SimTrainer:
                 theirs = self._guarded(i, theirs)
             groups: dict[float, list[int]] = {}
             for j in theirs:
-                w = self.weight if self.weight is not None else 1 / (1 + max(degree[i], degree[j]))
+                w = self.weight if self.weight is not None else codec_w if codec_w is not None else \
+                    1 / (1 + max(degree[i], degree[j]))
                 groups.setdefault(w, []).append(j)
             if not groups:
                 self.mixed[i] = self.sent[i]

@@ -80,7 +80,8 @@ class OuterConfig(BaseModel):
                                    "gasloc picks it from H (0.1 for H <= 4, else 0.7; docs/algorithms.md), diloco "
                                    "0.9, noloco 0.5, gossip 0")
     mix_weight: float | None = Field(None, gt=0, le=1, description="weight w per partner in z = x - sum w (x - "
-                                     "x_j); default: the uniform mean of the group (1/2 with one partner)")
+                                     "x_j); default: the wire codec's own weight where it has one (mod4-sd: 0.4, "
+                                     "protocol/codec.py), else the uniform mean of the group (1/2 with one partner)")
     mix_momentum: float = Field(1.0, ge=0, le=1, description="kappa (form C): the share of each round's mixing "
                                 "correction z - y that the outer momentum carries into later rounds; 1 = form C "
                                 "(equals DiLoCo on the complete graph), 0 = momentum on the local progress only, "

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from gasloc.protocol.codec import DEFAULT_CODEC, parse
+from gasloc.peer.train.model import ModelConfig, build_model
+from gasloc.protocol.codec import DEFAULT_CODEC, parse, probe_numel, probe_text
 
 
 def assert_nothing_left(harness, name):
@@ -45,14 +47,20 @@ def test_swarm_trains_summarizes_plots_and_cleans_up(harness):
         assert p["last_loss"] < p["first_loss"], p
         rounds = [json.loads(line) for line in (run_dir / me / "metrics.jsonl").read_text().splitlines()]
         assert all(r["val_loss"] is not None for r in rounds if r["event"] == "round")  # the variable reached it
-        # the default wire codec, and the bytes it sent: an exchange (one attempt) is the codec's payload plus
-        # headers and verdicts of a few KB (int8: 1.03 bytes a parameter; fp32 was 4.0)
+        # the default wire codec, and the bytes it sent: an exchange (one attempt) is the codec's payload, a
+        # modulo codec's probe in our header (64 float32 values a tensor, base64) and headers and verdicts of a few
+        # KB (mod4-sd: 0.52 bytes a parameter; int8 was 1.03, fp32 4.0)
         start = next(r for r in rounds if r["event"] == "start")
         assert start["codec"] == DEFAULT_CODEC, start
-        payload = parse(DEFAULT_CODEC).bits_per_param([64]) / 8 * start["num_params"]   # tiny: whole blocks
+        codec = parse(DEFAULT_CODEC)
+        payload = codec.bits_per_param([64]) / 8 * start["num_params"]   # tiny: whole blocks
+        if codec.modulo:
+            numels = [p.numel() for p in build_model(ModelConfig(preset="tiny"), 256, seed=0).parameters()]
+            payload += len(probe_text(torch.zeros(probe_numel(numels))))
         sent = [r["bytes_sent"] for r in rounds
                 if r["event"] == "round" and r["outcome"] == "ok" and r.get("attempts") == 1]
         assert sent and all(payload < b < payload + 16_384 for b in sent), (payload, sent)
+        assert max(sent) / start["num_params"] <= 0.55   # issue 32's live target, headers included
     assert_png(run_dir / "swarm.png")
     # the documented layout
     for f in ("bootstrap.maddrs", "bootstrap.log", "status.log", "peer-0/metrics.jsonl", "peer-0/peer.log",

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gasloc.protocol.averaging import mix_pair_
+from gasloc.protocol.averaging import mix_pair_, pair_weight
 from gasloc.protocol.codec import (
     DEFAULT_CODEC,
     MIN_STEP,
@@ -35,13 +35,24 @@ def test_sizes_are_exact_golden_numbers(name, bits, bpp):
 
 
 def test_the_default_codec_and_what_it_sends_for_tiny():
-    # 885,888 parameters, every tensor a multiple of 64 values: int8 is 913,572 bytes = 1.031 bytes a parameter
-    # (fp32: 4); the 4-bit codecs would be 0.531 but cost 2.9-11.7 % loss at equal tokens (docs/codecs.md)
+    # 885,888 parameters, every tensor a multiple of 64 values: mod4-sd is 442,944 bytes = 0.5 bytes a parameter
+    # (fp32: 4; int8, the default before, 913,572 = 1.031; blockwise int4 470,628 at +2.9-11.7 % loss, docs/codecs.md)
     from gasloc.peer.train.model import ModelConfig, build_model
     numels = [p.numel() for p in build_model(ModelConfig(preset="tiny"), 256, seed=0).parameters()]
     assert sum(numels) == 885_888
-    assert DEFAULT_CODEC == "int8" and parse(DEFAULT_CODEC).payload_bytes(numels) == 913_572
-    assert parse("int4").payload_bytes(numels) == 470_628
+    assert DEFAULT_CODEC == "mod4-sd" and parse(DEFAULT_CODEC).payload_bytes(numels) == 442_944
+    assert parse("int8").payload_bytes(numels) == 913_572 and parse("int4").payload_bytes(numels) == 470_628
+
+
+def test_only_the_measured_modulo_code_brings_its_own_mix_weight():
+    """The dense 4-bit modulo code with the shared dither pulls by 0.4 (docs/codecs.md invocation G); every other
+    codec by the pair's mean, and a configured outer.mix_weight wins over both (protocol/averaging.py pair_weight)."""
+    assert parse("mod4-sd").mix_weight == 0.4
+    for name in ("float32", "float16", "int8", "int4-sd", "mod4", "mod3-sd", "mod8-sd", "mod4-p25-sd", "int8-p10"):
+        assert parse(name).mix_weight is None, name
+    assert pair_weight(None, parse("mod4-sd").mix_weight) == 0.4
+    assert pair_weight(None, parse("int8").mix_weight) == 0.5
+    assert pair_weight(0.3, parse("mod4-sd").mix_weight) == 0.3
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int4-rn", "int3", "int2", "int8-b8", "int4-b4096"])

@@ -36,8 +36,8 @@ class _Averaging:
                                     trust=TrustBook(cfg.guard))
 
 
-def _peer() -> Peer:
-    cfg = PeerConfig.model_validate({"model": {"preset": "tiny", "seq_len": 32}, "data": {"batch_size": 2}})
+def _peer(**sections) -> Peer:
+    cfg = PeerConfig.model_validate({"model": {"preset": "tiny", "seq_len": 32}, "data": {"batch_size": 2}, **sections})
     p = Peer.__new__(Peer)
     p.cfg, p.device, p.round, p.peer_id, p._catch_up = cfg, torch.device("cpu"), 10, "me", None
     p.data, tok = build_data(cfg.data, cfg.model.seq_len)
@@ -126,3 +126,18 @@ def test_mix_applied_once_is_kappa_zero_for_one_apply():
     # form C: theta = z + gamma (z - z_prev - (1 - kappa)(z - y)); z = 1.1, y = 0.1, z_prev = 0
     assert runs[False] == pytest.approx(1.1 + 0.7 * 1.1)
     assert runs[True] == pytest.approx(1.1 + 0.7 * 0.1)
+
+
+@pytest.mark.parametrize("codec,configured,pull", [("mod4-sd", None, 0.4), ("int8", None, 0.5), ("mod4-sd", 0.3, 0.3)])
+def test_the_daemon_mixes_with_the_codecs_own_weight_unless_one_is_configured(codec, configured, pull):
+    # mod4-sd (the default) pulls by its own 0.4 (protocol/codec.py Codec.mix_weight, docs/codecs.md G), the other
+    # codecs by the pair's mean; a configured outer.mix_weight wins (protocol/averaging.py pair_weight)
+    p = _peer(exchange={"codec": codec}, outer={"mix_weight": configured})
+    own = [t.detach().clone() for t in p.params]
+    theirs = _near(own, 3, 0.005)
+    ex = _ex("a", theirs)
+    mixed, _ = p._mixed(own, ex)
+    assert mixed is not None and ex.guard["guard"] == "accept", ex.guard
+    moved = sum(float(((m - o) * (t - o)).sum()) for m, o, t in zip(mixed, own, theirs))
+    apart = sum(float((t - o).square().sum()) for o, t in zip(own, theirs))
+    assert moved / apart == pytest.approx(pull, rel=1e-4)

@@ -37,11 +37,15 @@ def test_the_pair_mean_is_kept_and_the_partner_read_within_a_step(rule, band):
 
 def test_the_cli_runs_a_smoke_invocation_and_refuses_an_unknown_rule():
     run = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,movement", "--seeds", "0",
-                          "--rounds", "1", "--workers", "2"], capture_output=True, text=True, timeout=300)
+                          "--rounds", "1", "--workers", "2", "--mix-weight", "0.4"], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [r.split("|")[1].strip() for r in rows] == ["fp32", "block", "movement"]   # fp32 always, first
     bad = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,psychic"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "psychic" in bad.stderr and "Traceback" not in bad.stderr
+    heavy = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--mix-weight", "0.7"],
+                           capture_output=True, text=True, timeout=60)   # more than the pair's mean: no mix
+    assert heavy.returncode == 2 and "--mix-weight" in heavy.stderr and "Traceback" not in heavy.stderr
     assert set(RULES) >= {"fp32", "as-built", "block"}

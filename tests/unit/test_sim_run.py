@@ -104,6 +104,23 @@ def test_two_partner_mixing_uses_symmetric_weights_and_keeps_the_mean():
     assert torch.allclose(t.mixed[1][0], (xs[1] + xs[2]) / 2) and torch.allclose(t.mixed[2][0], t.mixed[1][0])
 
 
+def test_a_modulo_codec_mixes_with_its_own_weight_and_keeps_the_pair_mean():
+    # mod4-sd pulls by 0.4 where outer.mix_weight is unset (protocol/codec.py Codec.mix_weight), as a live peer does
+    for weight, pull in ((None, 0.4), (0.5, 0.5)):
+        t = SimTrainer(cfg(workers=2, **{"guard.enabled": False, "codec": "mod4-sd", "outer.mix_weight": weight}))
+        gen = torch.Generator().manual_seed(0)
+        a = [p.detach().clone() for p in t.params[0]]
+        b = [x + 0.01 * torch.randn(x.shape, generator=gen) for x in a]
+        t.sent = [a, b]
+        t.mix_round({0: [1], 1: [0]})
+        for z0, z1, x0, x1 in zip(t.mixed[0], t.mixed[1], a, b):
+            assert torch.allclose(z0 + z1, x0 + x1, atol=1e-6)
+        # each side moved toward the other by `pull` of the decoded difference (its rounding averages out)
+        moved = sum(float(((z - x) * (y - x)).sum()) for z, x, y in zip(t.mixed[0], a, b))
+        apart = sum(float((y - x).square().sum()) for x, y in zip(a, b))
+        assert moved / apart == pytest.approx(pull, rel=0.05), weight
+
+
 @pytest.mark.timeout(60)
 def test_async_schedule_lets_fast_workers_do_more_rounds():
     r = run(cfg(**{"schedule": "async", "outer.algorithm": "gossip", "clock.profile": "half-slow-compute-2x",

@@ -57,7 +57,8 @@ def digest(ts: list[torch.Tensor]) -> list[tuple[float, torch.Tensor]]:
 def check(got, want_digest, wire: str, exact: bool = True, own_digest=None) -> str:
     """"ok" when `got` matches the digest: bit-exact for a float32 transfer, within 16-bit rounding otherwise, and
     within float32 rounding for the averager's float32 mean (`exact=False`); a blockwise codec within one step of
-    its scale, and its sum within six standard deviations of stochastic rounding's noise. Else "MISMATCH" with what
+    its scale (a modulo codec: of the pair's step, from `own_digest`), and its sum within six standard deviations of
+    stochastic rounding's noise. Else "MISMATCH" with what
     differs, so a rare failure says whether the values are off a little or not averaged at all."""
     from gasloc.protocol.codec import RANGE_RMS, parse
     codec = parse(wire)
@@ -145,7 +146,8 @@ class Worker:
                 own, theirs = ([b + 0.025 * t for b, t in zip(base, ts)] for ts in (own, theirs))
                 del base
             self.bundles[(params, wire)] = {
-                "own": own, "own_digest": digest(own), "want": digest(theirs), "avg": digest([(a + b) / 2 for a, b in zip(own, theirs)]),
+                "own": own, "own_digest": digest(own), "want": digest(theirs),
+                "avg": digest([(a + b) / 2 for a, b in zip(own, theirs)]),
                 # tcp and the raw stream move a cast's bytes; a blockwise codec is the exchange's alone
                 "recv": [torch.empty(params // NUM_TENSORS, dtype=getattr(torch, wire, torch.uint8))
                          for _ in range(NUM_TENSORS)]}

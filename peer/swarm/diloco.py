@@ -85,10 +85,10 @@ def compression_name(cfg) -> str:
     wire = str(getattr(cfg.exchange, "codec", None) or getattr(cfg.exchange, "wire_dtype", "float32"))
     if wire == "float32":
         return "none"
-    # a blockwise codec (int8, the exchange's default, and narrower) maps to float16, not to hivemind's uint8: each
-    # member receives Q(mean - its own part), so a lossy all-reduce leaves members apart by Q's error and that walks
-    # on; uint8 walked ~1.5e-3 a step on tiny (one model no more after tens of steps), float16 ~1.1e-5. uint8 stays
-    # one setting away (diloco.compression = "uint8")
+    # a blockwise or modulo codec (int8, mod4-sd - the exchange's default - and narrower) maps to float16, not to
+    # hivemind's uint8: each member receives Q(mean - its own part), so a lossy all-reduce leaves members apart by
+    # Q's error and that walks on; uint8 walked ~1.5e-3 a step on tiny (one model no more after tens of steps),
+    # float16 ~1.1e-5. uint8 stays one setting away (diloco.compression = "uint8")
     return "float16"
 
 

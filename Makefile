@@ -19,10 +19,11 @@ demo: venv
 	$(BIN)/gasloc swarm --peers 4 --duration 120
 
 # The unit and in-process tests and the light multi-process ones (marker `light`, tests/e2e/conftest.py) on three
-# workers (pytest-xdist; loadgroup keeps an xdist_group on one worker; three, not two, on two cores: the docker build
-# and the tests that wait on a socket or a child leave a core idle, 349 s against 414 s for this part), then the other
-# multi-process tests one at a time: each starts a swarm that wants the machine's cores to itself. Both parts run
-# even when the first fails, and the target fails if either did.
+# workers (pytest-xdist; loadgroup would keep an xdist_group on one worker, which pytest 9 defeats, so no test relies
+# on it; three, not two, on two cores: the docker build and the tests that wait on a socket or a child leave a core
+# idle, 349 s against 414 s for this part), then the other multi-process tests one at a time: each starts a swarm
+# that wants the machine's cores to itself. Both parts run even when the first fails, and the target fails if either
+# did.
 test: venv
 	$(BIN)/pytest -n 3 --dist loadgroup -m "light or not e2e" tests; u=$$?; \
 	$(BIN)/pytest -m "e2e and not light" tests/e2e; e=$$?; exit $$((u || e))

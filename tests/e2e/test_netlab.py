@@ -17,8 +17,9 @@ sys.modules["netlab"] = netlab  # dataclasses look their module up there
 _spec.loader.exec_module(netlab)
 
 _why = netlab.unavailable_reason()
-# light, and on one worker: two tests here run netlab.cleanup("gnt"), which would also remove the dead-creator
-# namespaces another of them is checking
+# light. Two tests here remove a dead creator's namespaces with netlab.cleanup(tag), which removes every dead
+# creator's of that tag: each has a tag of its own (gnc, gnd), since the tests may run at once on different workers
+# (xdist_group does not keep a group on one worker under pytest 9: xdist's nodeid suffix is ignored)
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why is not None, reason=f"network namespaces: {_why}"),
               pytest.mark.light, pytest.mark.xdist_group("netlab")]
 
@@ -67,10 +68,10 @@ def test_star_removed_after_exception_and_processes_inside_are_killed():
 def test_cleanup_removes_only_namespaces_of_dead_creators():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = netlab.Star(netlab.run_prefix("gnt", pid=dead.pid), [netlab.Node("a", 10)]).up()
-    live = netlab.Star(netlab.run_prefix("gnt"), [netlab.Node("a", 10)]).up()
+    stale = netlab.Star(netlab.run_prefix("gnc", pid=dead.pid), [netlab.Node("a", 10)]).up()
+    live = netlab.Star(netlab.run_prefix("gnc"), [netlab.Node("a", 10)]).up()
     try:
-        removed = netlab.cleanup("gnt")
+        removed = netlab.cleanup("gnc")
         assert sorted(removed) == sorted([stale.hub, stale.ns("a")])
         assert sorted(_ours(live.prefix)) == sorted([live.hub, live.ns("a")])
     finally:
@@ -123,10 +124,10 @@ def test_nat_lab_routers_masquerade_block_inbound_and_forward_ports_on_request()
 def test_nat_lab_leftovers_of_a_dead_creator_are_removed():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    prefix = netlab.run_prefix("gnt", pid=dead.pid)
+    prefix = netlab.run_prefix("gnd", pid=dead.pid)
     netlab.NatLab(prefix, public=["pub"], homes=["h1"]).up()
     assert len(_ours(prefix)) == 4  # hub, pub, router, home
-    netlab.cleanup("gnt")
+    netlab.cleanup("gnd")
     assert _ours(prefix) == [] and not [d for d in os.listdir("/etc/netns") if d.startswith(prefix)]
 
 

@@ -18,12 +18,14 @@ def group_mean_weight(num_partners: int) -> float:
     return 1.0 / (num_partners + 1)
 
 
-def pair_weight(configured: float | None, codec_weight: float | None = None) -> float:
-    """The weight of a pairwise mix: the configured one (outer.mix_weight), else the wire codec's (a noisy wire pulls
-    by less, protocol/codec.py Codec.mix_weight), else the pair's mean. The live peer and the simulator both ask this."""
+def pair_weight(configured: float | None, codec_weight: float | None = None, partners: int = 1) -> float:
+    """The weight of one edge of a mix: the configured one (outer.mix_weight), else the wire codec's (a noisy wire
+    pulls by less, protocol/codec.py Codec.mix_weight), else the mean of a group of `partners` + 1 (for an edge, the
+    larger of its two ends' partner counts: the Metropolis weight, 1/2 for a plain pair). The live peer and the
+    simulator both ask this."""
     if configured is not None:
         return configured
-    return codec_weight if codec_weight is not None else group_mean_weight(1)
+    return codec_weight if codec_weight is not None else group_mean_weight(partners)
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ from gasloc.peer.train.data import BLOCK_TOKENS, WindowSampler, build_data, eval
 from gasloc.peer.train.inner import inner_step, make_inner_optimizer
 from gasloc.peer.train.model import build_model
 from gasloc.peer.train.outer import make_outer, mix_applied_once
-from gasloc.protocol.averaging import exact_mean, mix
+from gasloc.protocol.averaging import exact_mean, mix, pair_weight
 from gasloc.protocol.codec import parse as codec_parse
 from gasloc.protocol.codec import probe, probe_steps
 from gasloc.protocol.decision import MixJudge, PrivateChecks
@@ -134,8 +134,7 @@ class SimTrainer:
         else the codec's (a pairwise one), else the Metropolis weight 1/(1 + max(deg_i, deg_j)) - 1/2 for a plain
         pair (the pair mean), 1/3 where either side has two partners this round."""
         degree = {i: len(ps) for i, ps in partners.items()}
-        # a noisy wire's own weight, as a live peer's (protocol/averaging.py pair_weight): only pairwise codecs have one
-        codec_w = self.codec.mix_weight if self.codec is not None else None
+        codec_w = self.codec.mix_weight if self.codec is not None else None   # only pairwise codecs have one
         if self.codec is not None and self.codec.seeded:
             self._seeded_wire(partners)
         for i, ps in partners.items():
@@ -147,8 +146,7 @@ class SimTrainer:
                 theirs = self._guarded(i, theirs)
             groups: dict[float, list[int]] = {}
             for j in theirs:
-                w = self.weight if self.weight is not None else codec_w if codec_w is not None else \
-                    1 / (1 + max(degree[i], degree[j]))
+                w = pair_weight(self.weight, codec_w, max(degree[i], degree[j]))
                 groups.setdefault(w, []).append(j)
             if not groups:
                 self.mixed[i] = self.sent[i]

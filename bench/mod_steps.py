@@ -98,7 +98,7 @@ def _patched_modulo_wire(rule: str):
                 if (j, i) in done:
                     continue
                 done.add((i, j))
-                seed = hash((self.pair_seed, min(i, j), max(i, j))) & 0x7FFFFFFF
+                seed = self.exchange_seed(i, j)
                 gen = torch.Generator().manual_seed(seed)
                 probed = probe_steps(self.codec, numels, probe(self.sent[i], seed), probe(self.sent[j], seed)) \
                     if rule == "band1" else None

@@ -171,6 +171,10 @@ class SimTrainer:
         """What worker i's partners receive: its sent tensors without a (lossy) codec, else their wire form."""
         return self.sent[i] if self.codec is None or self.codec.lossless else self.wire[i]
 
+    def exchange_seed(self, i: int, j: int) -> int:
+        """The seed both sides of this round's exchange between i and j share (a live exchange's reply carries it)."""
+        return hash((self.pair_seed, min(i, j), max(i, j))) & 0x7FFFFFFF
+
     def _seeded_wire(self, partners: Mapping[int, list[int]]) -> None:
         """A seeded codec (sparse blocks, shared dither): each pair encodes with a seed both sides share (a live
         exchange's reply carries it); `wire[i]` becomes i's own wire form (a sparse codec's: its own tensors where
@@ -185,7 +189,7 @@ class SimTrainer:
         payloads = {}
         for i, ps in partners.items():
             for j in ps:
-                seed = hash((self.pair_seed, min(i, j), max(i, j))) & 0x7FFFFFFF
+                seed = self.exchange_seed(i, j)
                 payloads[i] = (seed, [c.encode(t, generator=self.rngs[i], seed=seed) for t in self.sent[i]])
         for i, ps in partners.items():
             if ps:
@@ -207,7 +211,7 @@ class SimTrainer:
         payloads = {}
         for i, ps in partners.items():
             for j in ps:
-                seed = hash((self.pair_seed, min(i, j), max(i, j))) & 0x7FFFFFFF
+                seed = self.exchange_seed(i, j)
                 steps = probe_steps(c, numels, probe(self.sent[i], seed), probe(self.sent[j], seed))
                 payloads[i] = (seed, steps, [c.encode(t, generator=self.rngs[i], seed=seed, step=st)
                                              for t, st in zip(self.sent[i], steps)])

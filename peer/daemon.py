@@ -330,7 +330,8 @@ class Peer:
         states: list[tuple[str, int, list[torch.Tensor], float]] = []   # (donor, round, params, loss) that passed
         outer_of: dict[str, list[torch.Tensor]] = {}  # DiLoCo: each donor's outer state (its momentum)
         for _ in range(swarm.join_donor_pool + (1 if swarm.join_cross_check else 0)):
-            got = self.net.download_state(self.params, self.outer, exclude=tried, first=donors_first)
+            got = self.net.download_state(self.params, self.outer, exclude=tried, first=donors_first,
+                                          trust=self._lowered_trust())
             if got is None:
                 break
             donor, metadata, params = got
@@ -379,6 +380,12 @@ class Peer:
         self.guard.clear()  # a new model: distances measured from the old one say nothing (fresh-joiner rule)
         self._far.clear()
         return donor
+
+    def _lowered_trust(self) -> dict[str, float]:
+        """peer -> trust of the peers whose tensors our guard clipped or rejected lately: asked last for a state
+        (protocol/donors.py pick_donors)."""
+        policy = getattr(self.averaging, "policy", None)    # gossip's partner policy; DiLoCo has no trust book
+        return policy.lowered_trust(time.monotonic()) if policy is not None else {}
 
     def _adopt_outer(self, outer: list[torch.Tensor]) -> None:
         """Our outer state after a download: reset to the adopted parameters, except for DiLoCo, which takes the

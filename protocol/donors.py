@@ -13,7 +13,8 @@ model at the next outer step, and donors that are Sybils chosen because they cla
 - Choice (`pick_donors`): peers we have seen longest first (tenure: our own observation, not a claim), a random one
   of the `pool` longest-seen first so that one peer is not every joiner's donor; a peer whose believed round is 0
   (it trained nothing: peers started together hold the seed already) or that is joining is no donor. The claimed
-  round orders nothing.
+  round orders nothing. A peer whose trust our own guard lowered (its offers clipped or rejected, protocol/guard.py
+  TrustBook) is asked only after every other candidate, the most trusted first.
 - Cross-check (`cross_check`): a second donor's state is downloaded too; two states within `agree` of each other
   (relative distance) confirm each other, else the one with the lower loss on batches only we know wins.
 - The donor's outer state is never adopted (the joiner resets its outer state to the adopted parameters), and the
@@ -85,13 +86,21 @@ def record_overclaims(listed_round: int | None, served_round: int) -> bool:
 
 def pick_donors(believed_rounds: Mapping[str, int], states: Mapping[str, str], tenure_s: Mapping[str, float], *,
                 pool: int, rng: random.Random, exclude: Collection[str] = (),
-                claimed_rounds: Mapping[str, int] | None = None, first: Collection[str] = ()) -> list[str]:
+                claimed_rounds: Mapping[str, int] | None = None, first: Collection[str] = (),
+                trust: Mapping[str, float] | None = None) -> list[str]:
     """Donor candidates in the order to try them. `believed_rounds`: peer -> its round as far as we believe it
     (RoundClaims); `states`: peer -> announced state; `tenure_s`: peer -> how long we have seen it (absent: 0);
     `claimed_rounds`: what they announce: a peer that claims more than we believe is no donor (it lies about its
     round, and what else is then not ours to find out on our model). Longest-seen first, ties in random order; one
     of the `pool` longest-seen goes first at random. Candidates in `first` go before all others (in that order):
-    a DiLoCo fork asks the members that hold its group's model, whatever their tenure."""
+    a DiLoCo fork asks the members that hold its group's model, whatever their tenure. `trust`: peer -> score of
+    the peers whose trust our guard lowered (a clip or rejection; it recovers with guard.trust_half_life_s, so a
+    rejection keeps a peer behind the others for minutes, not only the ~30 s it is turned away as a partner); they
+    go after all others, highest score first. Not left out: a peer that is the odd one out has rejected the very
+    peers it must download from (a 3-peer swarm: all of them), and what any donor serves is checked on our own
+    batches all the same. Before, a resync drew its donors from every peer alike:
+    in CI's hostile-volunteer test an honest resync took over the state of the peer that sent 3x its parameters
+    in every exchange (a state honestly trained: nothing on our batches could tell it from an honest one)."""
     claimed = claimed_rounds or {}
     cands = [p for p, r in believed_rounds.items()
              if r > 0 and states.get(p) != "joining" and p not in exclude and claimed.get(p, r) <= r]
@@ -100,6 +109,8 @@ def pick_donors(believed_rounds: Mapping[str, int], states: Mapping[str, str], t
     top = cands[:pool]
     rng.shuffle(top)
     ordered = top + cands[pool:]
+    low = trust or {}
+    ordered = [p for p in ordered if p not in low] + sorted((p for p in ordered if p in low), key=lambda p: -low[p])
     early = [p for p in first if p in ordered]
     return early + [p for p in ordered if p not in early]
 

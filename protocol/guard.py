@@ -293,6 +293,12 @@ class TrustBook:
     def distrusted(self, peer: str, now: float) -> bool:
         return self.score(peer, now) < self.cfg.busy_below
 
+    def lowered(self, now: float) -> dict[str, float]:
+        """peer -> trust score of every peer whose trust a clip or rejection lowered and has not recovered to within
+        1e-3 of full (the donors a resync asks last: protocol/donors.py pick_donors)."""
+        scores = {p: self.score(p, now) for p in self._lost}
+        return {p: s for p, s in scores.items() if s <= 1 - 1e-3}
+
     def weights(self, peers: Iterable[str], now: float) -> dict[str, float]:
         return {p: self.score(p, now) for p in peers}
 

@@ -188,6 +188,10 @@ class PartnerPolicy:
         guard, so a hostile only partner is clipped or rejected all the same."""
         return peer in self.turned_away({peer}, now, live)
 
+    def lowered_trust(self, now: float) -> dict[str, float]:
+        """peer -> trust of the peers whose trust our guard lowered (protocol/donors.py pick_donors asks them last)."""
+        return {} if self.trust is None else self.trust.lowered(now)
+
     def turned_away(self, peers: Collection[str], now: float, live: Collection[str] | None = None) -> set[str]:
         """Those of `peers` that `distrusted` turns away, with one pass over `live` for all of them (the search
         asks for every ready peer at each step)."""

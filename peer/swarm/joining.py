@@ -13,7 +13,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from hivemind.p2p import PeerID
@@ -84,12 +84,13 @@ class Joining:
         return self.live
 
     def download_state(self, params: list[torch.Tensor], outer, exclude: Collection[str] = (),
-                       first: Collection[str] = ()):
+                       first: Collection[str] = (), trust: Mapping[str, float] | None = None):
         """(donor, metadata, params) from a live peer not in `exclude`, or None when nobody is there (a fresh swarm)
         or no donor delivered a verified state in time. `donor` is the transport's peer id, metadata's round the
         reply header's (checked against the metadata: protocol/donors.py). `outer` gives the outer state's specs,
         which a donor of an older build still sends: it is downloaded, never returned. `first`: donors to ask before
-        the others (a DiLoCo fork: the members holding its group's model), if they are candidates at all."""
+        the others (a DiLoCo fork: the members holding its group's model), if they are candidates at all; `trust`
+        (peer -> score) of the peers whose trust our guard lowered: asked after all others (pick_donors)."""
         from gasloc.peer.transport.state_transfer import StateDownloadError, download_state
 
         live = self._first_listing()
@@ -106,13 +107,15 @@ class Joining:
         claimed = {p: r.round for p, r in live.items()}
         donors = pick_donors(believed, {p: r.state for p, r in live.items()}, self.tenure(),
                              pool=self.cfg.swarm.join_donor_pool, rng=random.Random(), exclude=exclude,
-                             claimed_rounds=claimed, first=first)
+                             claimed_rounds=claimed, first=first, trust=trust)
         if not donors:
             log.info("join: no live peer has trained yet; starting from the seed model")
             return None
         specs = [(tuple(t.shape), t.dtype) for t in params]
         outer_specs = [(tuple(t.shape), t.dtype) for t in outer.state_dict().values()]
-        log.info("join: downloading state, candidate donors=%d", len(donors))
+        low = [f"{d[-6:]}={trust[d]:.2f}" for d in donors if d in (trust or {})]
+        log.info("join: downloading state, candidate donors=%d%s", len(donors),
+                 f" (trust lowered by our guard, asked last: {', '.join(low)})" if low else "")
         coro = download_state(self.p2p, [PeerID.from_base58(d) for d in donors], specs, self.fingerprint,
                               self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs,
                               swarm_key=self.swarm_key, hints_in=self.heard, member=self.member_out(),

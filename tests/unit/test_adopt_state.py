@@ -21,10 +21,11 @@ class _Net:
     """Donors in the order the network would try them: (donor, round, params)."""
 
     def __init__(self, donors, believed):
-        self.donors, self.believed, self.asked = list(donors), believed, []
+        self.donors, self.believed, self.asked, self.trust = list(donors), believed, [], []
 
-    def download_state(self, params, outer, exclude=(), first=()):
+    def download_state(self, params, outer, exclude=(), first=(), trust=None):
         self.asked.append(set(exclude))
+        self.trust.append(dict(trust or {}))
         for donor, rnd, state in self.donors:
             if donor not in exclude:
                 return donor, {"round": rnd, "num_outer": 0, "peer_id": donor}, [t.clone() for t in state]
@@ -49,6 +50,7 @@ def _peer(donors, believed, **swarm) -> Peer:
     p.outer = make_outer(cfg.outer, p.params)
     p.guard, p._far = DistanceHistory(cfg.guard), FarStreak(2)
     p.net = _Net(donors, believed)
+    p.averaging = None
     return p
 
 
@@ -156,3 +158,30 @@ def test_a_fresh_joiner_takes_only_a_state_that_learned_something():
     p._evaluate_at = lambda point, batches=None: own if point is p.params else 0.6 * own
     p.net = _Net([("QmTrained", 3, trained)], believed={})
     assert p._adopt_swarm_state(fresh=True) == "QmTrained" and p.round == 3
+
+
+def test_the_peers_whose_trust_our_guard_lowered_are_handed_to_the_donor_order():
+    """A resync's donors were drawn from every peer alike, and CI saw an honest resync take over the state of the
+    peer that offered 3x its parameters in every exchange. The peers whose trust our guard lowered (a clip or a
+    rejection, not yet recovered) are handed to the network, whose donor order asks them last (pick_donors)."""
+    import random
+    import time
+    from types import SimpleNamespace
+
+    from gasloc.protocol.guard import TrustBook, Verdict
+    from gasloc.protocol.partners import Backoff
+    from gasloc.protocol.search import PartnerPolicy, SearchRules
+
+    p = _peer([], {})
+    p.net = _Net([("QmA", 3, _like(p, 1, 0.01))], believed={"QmA": 3})
+    policy = PartnerPolicy(SearchRules(), Backoff(2.0, 60.0, 0.5), avoid_recent=3, rng=random.Random(0),
+                           trust=TrustBook(p.cfg.guard))
+    p.averaging = SimpleNamespace(policy=policy)
+    now = time.monotonic()
+    policy.judged("QmBad", Verdict("reject", 1.0, 0.1, 0.0), now)
+    policy.judged("QmClipped", Verdict("clip", 0.15, 0.1, 0.6), now)
+    policy.judged("QmFine", Verdict("accept", 0.05, 0.1), now)
+    assert p._adopt_swarm_state() == "QmA"
+    got = p.net.trust[0]
+    assert set(got) == {"QmBad", "QmClipped"}, got        # an accepted partner keeps its full trust
+    assert got["QmBad"] < p.cfg.guard.busy_below < got["QmClipped"] < 1.0

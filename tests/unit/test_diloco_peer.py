@@ -22,7 +22,7 @@ class _Net:
     def __init__(self, donor, rnd, params, outer):
         self.state = (donor, rnd, params, outer)
 
-    def download_state(self, params, outer, exclude=(), first=()):
+    def download_state(self, params, outer, exclude=(), first=(), trust=None):
         self.first = tuple(first)
         donor, rnd, state, outer_state = self.state
         if donor in exclude:
@@ -57,6 +57,7 @@ def _peer(algorithm: str) -> Peer:
     p.params = list(p.model.parameters())
     p.outer = make_outer(cfg.outer, p.params)
     p.guard, p._far = DistanceHistory(cfg.guard), FarStreak(2)
+    p.averaging = None
     return p
 
 

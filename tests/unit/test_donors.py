@@ -119,3 +119,16 @@ def test_a_record_may_trail_its_state_but_not_run_ahead_of_it():
     assert code == Code.DISTRUSTED and "record claims round 1001" in why
     assert check_metadata({"round": 5}, reply_round=5, num_outer=0, donor="QmD",
                           listed_round=5 + MAX_RECORD_LEAD)[0] == Code.OK
+
+
+def test_the_peers_whose_trust_our_guard_lowered_are_asked_last_the_most_trusted_first():
+    """Not left out: the odd one out of a 3-peer swarm has rejected the very peers it must download from."""
+    rounds = {"old": 9, "mid": 9, "new": 9, "bad": 9, "worse": 9}
+    states = dict.fromkeys(rounds, "training")
+    tenure = {"bad": 900.0, "worse": 800.0, "old": 300.0, "mid": 200.0, "new": 5.0}
+    for seed in range(50):
+        order = pick_donors(rounds, states, tenure, pool=3, rng=random.Random(seed), trust={"worse": 0.1, "bad": 0.4})
+        assert set(order[:3]) == {"old", "mid", "new"} and order[3:] == ["bad", "worse"], order
+    # every candidate's trust lowered: all still asked, the most trusted first
+    assert pick_donors({"x": 3, "y": 3}, {}, {}, pool=3, rng=random.Random(0), trust={"x": 0.2, "y": 0.9}) \
+        == ["y", "x"]

@@ -21,6 +21,8 @@ Runs, one after another, each with a fresh bootstrap and fresh peers for the sam
   gossip      (optional) outer.algorithm=gossip
   gasloc-overlap  (optional) gasloc with outer.overlap=true: each exchange runs during the next round's inner steps
   gasloc-bw-open10  (optional) gasloc-bw with swarm.slower_link_open_share=0.1 instead of its default 0.25
+  gasloc-bw-fp32, gasloc-bw-int8  (optional) gasloc-bw with exchange.codec float32 (4 bytes a parameter) or int8,
+              against the default codec's gasloc-bw (issue 32: the time to target the byte savings buy)
   gasloc-bw-m09, gasloc-m09  (optional) gasloc-bw and gasloc with outer.momentum=0.9, GASLoC's default until
               2026-11-30 (DiLoCo's); gasloc-bw-m09-open10 adds the open share 0.1, gasloc-bw-m09-k0
               outer.mix_momentum=0 (outer momentum carries only each peer's own progress; a mix moves the model
@@ -28,8 +30,10 @@ Runs, one after another, each with a fresh bootstrap and fresh peers for the sam
 
 Schedule, as a user runs either method: the same tokens per peer per round (H inner steps of the same batch) and
 the inner lr decayed by a cosine to 0.1 of its peak over the run. A run's length is wall-clock here, so each
-algorithm's decay spans the rounds its typical peer does in --duration-s: --decay-rounds (per 180 s; defaults from
-invocation H1 in docs/hetero-results.md: DiLoCo 18 rounds, GASLoC and gossip 48), scaled with the duration. The
+algorithm's decay spans the rounds its typical peer does in --duration-s: --decay-rounds (per 180 s, per algorithm
+or per run name, a run's own entry first; defaults: DECAY_ROUNDS below), scaled with the duration. A run on another
+wire does another number of rounds in the same time (fp32 sends 8x the bytes of the default codec), so it gets its
+own entry, measured in a run of its own (docs/hetero-results.md). The
 lr follows the swarm's position (round x H; a joiner takes over the round), and stays at 0.1 past the end.
 
 The swarm's mean validation loss at time t is the mean over peers of each peer's latest val_loss at or before t
@@ -74,6 +78,9 @@ RUNS = {  # name -> (outer.algorithm, bandwidth-aware (None: not applicable), fu
     "gasloc-m09": ("gasloc", False, {"outer.momentum": "0.9"}),
     "gasloc-bw-m09-open10": ("gasloc", True, {"outer.momentum": "0.9", "swarm.slower_link_open_share": "0.1"}),
     "gasloc-bw-m09-k0": ("gasloc", True, {"outer.momentum": "0.9", "outer.mix_momentum": "0"}),
+    # gasloc-bw on another wire than the default codec (mod4-sd, 4 bits a parameter): the lossless one, and int8
+    "gasloc-bw-fp32": ("gasloc", True, {"exchange.codec": "float32"}),
+    "gasloc-bw-int8": ("gasloc", True, {"exchange.codec": "int8"}),
 }
 DEFAULT_RUNS = ("gasloc-bw", "gasloc", "diloco")
 # Rounds per 180 s over which each algorithm's inner lr decays (module docstring): its peers' rounds with today's
@@ -142,14 +149,15 @@ class Settings:
     fast_mbit: float
     slow_mbit: float
     inner_steps: int
-    decay_rounds: tuple[tuple[str, float], ...] = ()  # (algorithm, rounds per 180 s); empty: no lr decay
+    decay_rounds: tuple[tuple[str, float], ...] = ()  # (algorithm or run, rounds per 180 s); empty: no lr decay
     boot_mbit: float = 100.0
     ready_timeout_s: float = 240.0
     stop_grace_s: float = 30.0
 
-    def total_steps(self, algorithm: str) -> int | None:
-        """inner.total_steps of an algorithm's run: its decay rounds, scaled to the run's duration, times H."""
-        per_180 = dict(self.decay_rounds).get(algorithm)
+    def total_steps(self, algorithm: str, run: str = "") -> int | None:
+        """inner.total_steps of a run: its decay rounds (the run's own entry, else its algorithm's), scaled to the
+        run's duration, times H."""
+        per_180 = dict(self.decay_rounds).get(run, dict(self.decay_rounds).get(algorithm))
         if per_180 is None:
             return None
         return self.inner_steps * max(2, round(per_180 * self.duration_s / 180))
@@ -178,7 +186,7 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
     from gasloc.runtime.procs import gasloc_argv
 
     algorithm, bw, settings = RUNS[name]
-    total = s.total_steps(algorithm)
+    total = s.total_steps(algorithm, name)
     if total is not None and "inner.total_steps" not in settings:
         settings = {**settings, "inner.total_steps": str(total)}
     run_dir = out / name
@@ -227,9 +235,9 @@ def parse_decay_rounds(text: str) -> tuple[tuple[str, float], ...]:
             value = float(rounds)
         except ValueError:
             value = -1.0
-        if algorithm.strip() not in ("gasloc", "diloco", "gossip") or value <= 0:
-            raise click.BadParameter(f"{item!r}: expected ALGORITHM=ROUNDS with an algorithm of gasloc, diloco, "
-                                     f"gossip and ROUNDS > 0", param_hint="--decay-rounds")
+        if algorithm.strip() not in ("gasloc", "diloco", "gossip", *RUNS) or value <= 0:
+            raise click.BadParameter(f"{item!r}: expected NAME=ROUNDS with NAME an algorithm (gasloc, diloco, "
+                                     f"gossip) or a run (--runs) and ROUNDS > 0", param_hint="--decay-rounds")
         out.append((algorithm.strip(), value))
     return tuple(out)
 
@@ -261,8 +269,9 @@ def loadavg() -> str:
 @click.option("--slow-mbit", type=click.FloatRange(0.1), default=3.0, show_default=True)
 @click.option("--inner-steps", type=click.IntRange(1), default=20, show_default=True, help="H, every run")
 @click.option("--decay-rounds", default=DECAY_ROUNDS, show_default=True,
-              help="ALGORITHM=ROUNDS,...: each algorithm's inner lr decays (cosine to 0.1) over this many rounds "
-              "per 180 s of --duration-s; 'none': no decay (the lr stays at its peak, as before 2026-12-05)")
+              help="NAME=ROUNDS,...: each algorithm's (or run's: its own entry first) inner lr decays (cosine to "
+              "0.1) over this many rounds per 180 s of --duration-s; 'none': no decay (the lr stays at its peak, "
+              "as before 2026-12-05)")
 @click.option("--target-margin", type=click.FloatRange(0), default=0.02, show_default=True,
               help="nats added to the highest final mean loss to make the target")
 @click.option("--peer-config", type=click.Path(exists=True, dir_okay=False), help="TOML for every peer instead "

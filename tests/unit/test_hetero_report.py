@@ -91,3 +91,21 @@ def test_run_without_losses_is_an_error(tmp_path):
          "p1": tmp_path / "missing.jsonl"}
     with pytest.raises(ValueError, match=r"no loss recorded by \['p1'\]"):
         hr.analyse_run("x", "gasloc", False, m, {"p0"}, 0.0, 10.0)
+
+
+def test_a_runs_own_decay_rounds_come_before_its_algorithms():
+    """A run on another wire (gasloc-bw-fp32: 8x the default codec's bytes) does fewer rounds in the same time, so
+    its lr cosine is set from its own rounds, not from gasloc's (bench/hetero.py --decay-rounds)."""
+    sys.path.insert(0, str(_path.parent))
+    import click
+    import hetero
+
+    rounds = hetero.parse_decay_rounds("gasloc=45,gasloc-bw-fp32=20,diloco=12")
+    s = hetero.Settings(6, 90.0, 30.0, 3.0, 20, rounds)
+    assert s.total_steps("gasloc", "gasloc-bw") == 20 * 22      # 45 per 180 s, for 90 s: round(22.5) = 22
+    assert s.total_steps("gasloc", "gasloc-bw-fp32") == 20 * 10
+    assert s.total_steps("gossip", "gossip") is None
+    assert hetero.RUNS["gasloc-bw-fp32"][2] == {"exchange.codec": "float32"}
+    for bad in ("gasloc-bw-fp64=20", "gasloc=0", "gasloc=x"):
+        with pytest.raises(click.BadParameter):
+            hetero.parse_decay_rounds(bad)

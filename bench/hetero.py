@@ -87,7 +87,8 @@ DEFAULT_RUNS = ("gasloc-bw", "gasloc", "diloco")
 # default codecs, so each run ends its cosine where it ends (invocation J1 of docs/hetero-results.md, 2026-12-05:
 # GASLoC int8 45 rounds a fast peer, DiLoCo float16 11-12 all-reduces of all six). Before J1: 48 and 18 (H1's, with
 # int4 and uint8), under which J1's DiLoCo ended a third of the way short of its floor; H1 itself decayed over 15
-# and 6 (estimates from fp32 runs): both sat at the floor for most of the run
+# and 6 (estimates from fp32 runs): both sat at the floor for most of the run. With mod4-sd, the default codec since,
+# gasloc-bw made 44.7-49.0 rounds a fast peer (L1-L3 of docs/codecs.md), so gasloc's 45 stays
 DECAY_ROUNDS = "diloco=12,gasloc=45,gossip=45"
 
 # Hyperparameters shared by every run (the [outer] defaults of each algorithm apply). Timeouts are raised so that

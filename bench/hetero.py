@@ -33,7 +33,7 @@ the inner lr decayed by a cosine to 0.1 of its peak over the run. A run's length
 algorithm's decay spans the rounds its typical peer does in --duration-s: --decay-rounds (per 180 s, per algorithm
 or per run name, a run's own entry first; defaults: DECAY_ROUNDS below), scaled with the duration. A run on another
 wire does another number of rounds in the same time (fp32 sends 8x the bytes of the default codec), so it gets its
-own entry, measured in a run of its own (docs/hetero-results.md). The
+own entry, measured in a run of its own (L0 in docs/codecs.md). The
 lr follows the swarm's position (round x H; a joiner takes over the round), and stays at 0.1 past the end.
 
 The swarm's mean validation loss at time t is the mean over peers of each peer's latest val_loss at or before t

@@ -8,7 +8,8 @@ Protocol (initiator I, responder R), on a control stream plus n-1 extra streams 
             blocks or dither; a modulo codec: R's values at I's probe positions, from which both size the step)
                                                                                             (I waits at most accept_timeout_s)
     I -> R  n-1 lane streams, each presenting the token
-    I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors
+    I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors (a modulo codec,
+            encoded only now: each tensor sent as soon as it is encoded, decoded as soon as it is in, `_pipelined`)
     I <-> R one verdict byte each on the control stream: OK, or why the partner's tensors were discarded
 
 Failure semantics (what the daemon may rely on):
@@ -47,6 +48,7 @@ import asyncio
 import inspect
 import logging
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -58,7 +60,7 @@ from hivemind.p2p import P2P, PeerID
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
-from gasloc.peer.transport.lanes import LaneRegistry, move, open_lanes
+from gasloc.peer.transport.lanes import LaneRegistry, gather_or_cancel, move, open_lanes
 from gasloc.peer.transport.staging import Staging
 from gasloc.peer.transport.tensor_io import in_thread
 from gasloc.protocol.auth import EXCHANGE_ANSWER, EXCHANGE_CALL, PROOF_HEX_CHARS, proof_ok, stream_proof
@@ -639,6 +641,53 @@ class Exchanger:
                 offer.wire, offer.own = await in_thread(encode)
             return offer.wire, offer.own
 
+    async def _pipelined(self, channels: list[Channel], offer: _Offer, codec, seed: int, steps: list[float],
+                         bufs: list[torch.Tensor], out: list[torch.Tensor]) -> list[int]:
+        """A modulo codec's transfer: its payload can only be encoded once the handshake agreed the steps (from both
+        sides' probes), so instead of encoding all, sending all, then decoding all, tensor k goes out as soon as it
+        is encoded (a worker thread encodes them in order) and each tensor of theirs is decoded as soon as all of it
+        is in (against our own tensor and our payload of it). The bytes are the same as the plain path's. Returns
+        the indices of their tensors that are not finite after decoding."""
+        loop = asyncio.get_running_loop()
+        n = len(offer.tensors)
+        encoded = [asyncio.Event() for _ in range(n)]
+        arrivals: asyncio.Queue[int] = asyncio.Queue()
+        stop = threading.Event()
+        async with self._encode_lock:     # the send buffers are the staging's own
+            ours = self.staging.send_buffers(offer.tensors)
+
+            def encode() -> None:
+                for k, t in enumerate(offer.tensors):
+                    if stop.is_set():    # the transfer failed: do not spend a thread on bytes nobody reads
+                        return
+                    self.staging.encode_one(k, t, seed, steps[k])
+                    loop.call_soon_threadsafe(encoded[k].set)
+
+            async def decode() -> list[int]:
+                bad = []
+                for _ in range(n):
+                    i = await arrivals.get()
+                    await encoded[i].wait()   # our own payload of tensor i is what theirs decodes against
+                    if not await in_thread(self.staging.decode_one, codec, bufs[i], out[i], seed, offer.tensors[i],
+                                           ours[i], steps[i]):
+                        bad.append(i)
+                return sorted(bad)
+
+            encoder = loop.run_in_executor(None, encode)
+
+            async def encoding() -> None:   # an encode that raises fails the transfer (a send would wait for ever)
+                await asyncio.shield(encoder)
+
+            try:
+                return (await gather_or_cancel([encoding(), decode(), move(
+                    channels, ours, bufs, self.cfg.chunk_bytes, ready=encoded, arrived=arrivals.put_nowait)]))[1]
+            finally:
+                # the encoder writes into the send buffers: it ends (at the next tensor) before the lock is let go
+                stop.set()
+                await asyncio.wait([encoder])
+                if not encoder.cancelled():
+                    encoder.exception()      # retrieved (raised above, if the transfer was still on)
+
     async def _duplex(self, channels: list[Channel], offer: _Offer, their_codec: str, seed: int, eng: _Engagement,
                       steps: list[float] | None = None
                       ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, Code, str]:
@@ -649,14 +698,17 @@ class Exchanger:
             codec = parse_codec(their_codec)   # checked with the header; parsed again, from the cache
         except CodecError as e:
             return None, None, Code.BAD_DTYPE, str(e)
-        ours, own = await self._wire_tensors(offer, seed, steps)
         # every buffer is sized from OUR specs (validated equal to theirs) and the codec: a partner cannot make us
         # allocate more
         bufs, out = self.staging.receive_buffers(codec)
-        await move(channels, ours, bufs, self.cfg.chunk_bytes)
-        fill = own if own is not None else offer.tensors
-        bad = await in_thread(self.staging.decode, codec, bufs, out, seed, fill, ours if codec.modulo else None,
-                              steps)
+        if codec.modulo and self.codec.modulo and steps is not None:
+            own, bad = None, await self._pipelined(channels, offer, codec, seed, steps, bufs, out)
+        else:
+            ours, own = await self._wire_tensors(offer, seed, steps)
+            await move(channels, ours, bufs, self.cfg.chunk_bytes)
+            fill = own if own is not None else offer.tensors
+            bad = await in_thread(self.staging.decode, codec, bufs, out, seed, fill, ours if codec.modulo else None,
+                                  steps)
         ch = channels[0]
         verdict = Code.NOT_FINITE if bad else Code.OK
         eng.verdict_sent = True

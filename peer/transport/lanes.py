@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,20 +125,36 @@ async def gather_or_cancel(coros: Sequence) -> list:
 
 
 async def move(channels: Sequence[Channel], out: Sequence[torch.Tensor], into: Sequence[torch.Tensor],
-               chunk_bytes: int) -> None:
-    """Send `out` and fill `into` at once, lane k carrying share k of each payload. Raises if any lane fails."""
+               chunk_bytes: int, ready: Sequence[asyncio.Event] | None = None,
+               arrived: Callable[[int], None] | None = None) -> None:
+    """Send `out` and fill `into` at once, lane k carrying share k of each payload. Raises if any lane fails.
+    Pipelined (a codec encoded per exchange, peer/transport/exchange.py): a lane sends its share of out[i] once
+    `ready[i]` is set, and `arrived(i)` is called once all of into[i] is in."""
     out_views = [byte_view(t) for t in out]
     in_views = [byte_view(t) for t in into]
     sends = lane_segments([len(v) for v in out_views], len(channels))
     recvs = lane_segments([len(v) for v in in_views], len(channels))
+    left = [0] * len(in_views)     # segments of each received tensor still on their way, over all lanes
+    for segs in recvs:
+        for i, _, _ in segs:
+            left[i] += 1
+    if arrived is not None:        # an empty tensor has no segment: it is in from the start
+        for i, n in enumerate(left):
+            if n == 0:
+                arrived(i)
 
     async def send(ch: Channel, segs) -> None:
         for i, a, b in segs:
+            if ready is not None:
+                await ready[i].wait()
             await ch.write(out_views[i][a:b], chunk_bytes)
 
     async def receive(ch: Channel, segs) -> None:
         for i, a, b in segs:
             await ch.readinto(in_views[i][a:b])
+            left[i] -= 1
+            if left[i] == 0 and arrived is not None:
+                arrived(i)
 
     await gather_or_cancel([send(ch, s) for ch, s in zip(channels, sends)] +
                            [receive(ch, r) for ch, r in zip(channels, recvs)])

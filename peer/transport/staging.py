@@ -2,7 +2,7 @@
 
 It owns every buffer the pairwise exchange needs, so none is allocated per round once the first exchange has run:
 - send: our payload in our codec (protocol/codec.py), encoded once per offer (a seeded codec: once per exchange,
-  with the exchange's seed). Zero-copy where the codec is our tensors' own dtype on the CPU (a float32 model on a
+  with the exchange's seed; a modulo codec tensor by tensor, `encode_one`, while the transfer runs). Zero-copy where the codec is our tensors' own dtype on the CPU (a float32 model on a
   float32 wire sends its tensors' memory as is). Tensors on a GPU are copied to pinned host memory without blocking
   and waited for once, not per tensor.
 - own wire form: what the partner decodes of our payload, Q(y_i), which the daemon mixes against (symmetric mixing:
@@ -51,17 +51,32 @@ class Staging:
                steps: Sequence[float] | None = None) -> list[torch.Tensor]:
         """Our payload: one tensor per spec whose raw memory goes on the wire (reused buffers, valid until the
         next encode). `steps`: a modulo codec's agreed step per tensor."""
-        c = self.codec
-        if self._zero_copy(c, tensors):
+        if self._zero_copy(self.codec, tensors):
             return [t.detach().reshape(-1) for t in tensors]
-        if self._send is None:
-            pin = any(t.device.type == "cuda" for t in tensors) and torch.cuda.is_available()
-            self._send = [torch.empty(c.tensor_bytes(n), dtype=torch.uint8, pin_memory=pin) for n in self.numels]
-        for k, (t, buf) in enumerate(zip(tensors, self._send)):
-            c.encode(t, buf, generator=self._rng, seed=seed, step=steps[k] if steps is not None else None)
+        send = self.send_buffers(tensors)
+        for k, t in enumerate(tensors):
+            self.codec.encode(t, send[k], generator=self._rng, seed=seed, step=steps[k] if steps is not None else None)
         if any(t.device.type == "cuda" for t in tensors):
             torch.cuda.synchronize()  # the non-blocking copies into pinned memory have landed
+        return send
+
+    def send_buffers(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The payload buffers (allocated at the first call, pinned for tensors on a GPU), for `encode_one`."""
+        if self._send is None:
+            pin = any(t.device.type == "cuda" for t in tensors) and torch.cuda.is_available()
+            self._send = [torch.empty(self.codec.tensor_bytes(n), dtype=torch.uint8, pin_memory=pin)
+                          for n in self.numels]
         return self._send
+
+    @torch.no_grad()
+    def encode_one(self, k: int, t: torch.Tensor, seed: int | None, step: float | None) -> torch.Tensor:
+        """Tensor k of our payload alone, into its send buffer (a pipelined exchange sends it while the next is
+        encoded); the same bytes `encode` writes for it."""
+        buf = self.send_buffers([t])[k]
+        self.codec.encode(t, buf, generator=self._rng, seed=seed, step=step)
+        if t.device.type == "cuda":
+            torch.cuda.synchronize()
+        return buf
 
     @torch.no_grad()
     def own_wire(self, payload: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor],
@@ -99,14 +114,17 @@ class Staging:
         """The partner's payload into `out` (a sparse codec over `fill`, our own wire form; a modulo codec against
         `fill`, our tensors, and `ref`, our payload, with the agreed `steps`); the indices of the tensors with a NaN
         or Inf after decoding."""
-        bad = []
-        for i, (b, o) in enumerate(zip(bufs, out)):
-            if b is not o:
-                codec.decode(b, o, seed, fill=fill[i] if fill is not None else None,
-                             ref=ref[i] if ref is not None else None, step=steps[i] if steps is not None else None)
-            if not is_finite(o):
-                bad.append(i)
-        return bad
+        return [i for i, (b, o) in enumerate(zip(bufs, out))
+                if not self.decode_one(codec, b, o, seed, fill[i] if fill is not None else None,
+                                       ref[i] if ref is not None else None, steps[i] if steps is not None else None)]
+
+    @torch.no_grad()
+    def decode_one(self, codec: Codec, buf: torch.Tensor, out: torch.Tensor, seed: int | None,
+                   fill: torch.Tensor | None, ref: torch.Tensor | None, step: float | None) -> bool:
+        """One tensor of the partner's payload into `out` (as `decode`); whether it is finite."""
+        if buf is not out:
+            codec.decode(buf, out, seed, fill=fill, ref=ref, step=step)
+        return is_finite(out)
 
     def release(self) -> None:
         """Drop every buffer kept between exchanges (payloads, own wire form, spare decoded tensors); the next

@@ -196,3 +196,30 @@ def test_the_dry_run_exchanges_through_every_kind_of_codec(codec):
     exchange's seed or its probes (a modulo codec decodes against our own tensors and codes)."""
     cfg = cfg_of(model__preset="micro", exchange__codec=codec)
     assert dry_run(cfg, 256, torch.device("cpu"), Staging) > 0
+
+
+def test_a_pipelined_exchange_encodes_and_decodes_the_same_bytes_tensor_by_tensor():
+    """exchange.py `_pipelined` sends tensor k as soon as `encode_one` wrote it and decodes each of theirs with
+    `decode_one`: the same payload and the same decoded tensors as the whole-payload `encode` and `decode`."""
+    from gasloc.protocol.codec import parse
+    from gasloc.protocol.messages import TensorSpec
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(64, 64, generator=g), torch.randn(300, generator=g)]
+    partner = [t + 0.01 * torch.randn(t.shape, generator=g) for t in ts]
+    codec, seed, steps = parse("mod4-sd"), 1234, [0.004, 0.006]
+    specs = [TensorSpec.of(tuple(t.shape), t.dtype) for t in ts]
+    st, other = Staging(specs, codec), Staging(specs, codec)
+    whole = [p.clone() for p in st.encode(ts, seed, steps)]
+    theirs = [p.clone() for p in other.encode(partner, seed, steps)]
+    one = [st.encode_one(k, t, seed, steps[k]).clone() for k, t in enumerate(ts)]
+    assert all(torch.equal(a, b) for a, b in zip(whole, one))
+    bufs, out = st.receive_buffers(codec)
+    for b, p in zip(bufs, theirs):
+        b.copy_(p)
+    assert st.decode(codec, bufs, out, seed, ts, whole, steps) == []
+    want = [o.clone() for o in out]
+    assert all(st.decode_one(codec, bufs[k], out[k], seed, ts[k], one[k], steps[k]) for k in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(out, want))
+    nan = torch.full((3,), float("nan"))     # a lossless wire's buffer is the tensor itself: checked as it came
+    assert not st.decode_one(parse("float32"), nan, nan, None, None, None, None)

@@ -1,0 +1,92 @@
+"""peer/transport/lanes.py `move` pipelined (a modulo codec's exchange, peer/transport/exchange.py `_pipelined`): a
+lane sends its share of tensor i only once `ready[i]` is set, and `arrived(i)` comes once per tensor, when all of
+its bytes are in, over every lane. Channels here are in-memory pairs (move uses only write and readinto)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from gasloc.peer.transport.lanes import move
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Pipe:
+    """One direction of an in-memory stream."""
+
+    def __init__(self):
+        self.buf, self.more = bytearray(), asyncio.Event()
+
+
+class _Channel:
+    def __init__(self, out: _Pipe, inp: _Pipe, log: list):
+        self.out, self.inp, self.log = out, inp, log
+
+    async def write(self, view, chunk_bytes: int) -> None:
+        self.log.append(("sent", bytes(view)))
+        self.out.buf.extend(bytes(view))
+        self.out.more.set()
+        await asyncio.sleep(0)
+
+    async def readinto(self, view) -> None:
+        while len(self.inp.buf) < len(view):
+            self.inp.more.clear()
+            await self.inp.more.wait()
+        view[:] = self.inp.buf[:len(view)]
+        del self.inp.buf[:len(view)]
+
+
+def _pair(lanes: int, log: list):
+    pipes = [(_Pipe(), _Pipe()) for _ in range(lanes)]
+    return [_Channel(a, b, log) for a, b in pipes], [_Channel(b, a, []) for a, b in pipes]
+
+
+def test_a_pipelined_move_sends_a_tensor_only_once_ready_and_reports_each_arrival_once():
+    async def main():
+        ours = [torch.arange(n, dtype=torch.uint8) for n in (10, 7, 0, 13)]
+        theirs = [torch.full((n,), 200 - n, dtype=torch.uint8) for n in (10, 7, 0, 13)]
+        got_ours = [torch.zeros_like(t) for t in ours]
+        got_theirs = [torch.zeros_like(t) for t in theirs]
+        log: list = []
+        mine, partners = _pair(2, log)
+        ready = [asyncio.Event() for _ in ours]
+        arrived: list[int] = []
+        task = asyncio.ensure_future(move(mine, ours, got_theirs, 4, ready=ready, arrived=arrived.append))
+        other = asyncio.ensure_future(move(partners, theirs, got_ours, 4))
+        await asyncio.sleep(0.05)
+        assert not log                      # nothing of ours before tensor 0 is ready
+        assert sorted(arrived) == [0, 1, 2, 3]   # theirs all in already (the empty one from the start)
+        ready[0].set()
+        await asyncio.sleep(0.05)
+        assert {b for _, b in log} <= {bytes(ours[0])} and log    # tensor 0 only
+        for e in ready[1:]:
+            e.set()
+        await asyncio.wait_for(asyncio.gather(task, other), 5)
+        assert len(arrived) == 4 and len(set(arrived)) == 4     # once each
+        assert all(torch.equal(a, b) for a, b in zip(got_ours, ours))
+        assert all(torch.equal(a, b) for a, b in zip(got_theirs, theirs))
+
+    asyncio.run(main())
+
+
+def test_arrivals_wait_for_every_lanes_share_of_a_tensor():
+    async def main():
+        ours = [torch.zeros(16, dtype=torch.uint8)]
+        theirs = [torch.arange(16, dtype=torch.uint8)]       # split over 2 lanes: bytes 0-7 and 8-15
+        got = [torch.zeros(16, dtype=torch.uint8)]
+        mine, partners = _pair(2, [])
+        arrived: list[int] = []
+        task = asyncio.ensure_future(move(mine, ours, got, 4, arrived=arrived.append))
+        # the partner's lane 0 alone: half of tensor 0 is in, it has not arrived
+        await partners[0].write(memoryview(theirs[0].numpy())[:8], 4)
+        await asyncio.sleep(0.02)
+        assert arrived == []
+        await partners[1].write(memoryview(theirs[0].numpy())[8:], 4)
+        for ch in partners:   # and read ours, so that our sends complete
+            await ch.readinto(memoryview(bytearray(8)))
+        await asyncio.wait_for(task, 5)
+        assert arrived == [0] and torch.equal(got[0], theirs[0])
+
+    asyncio.run(main())

@@ -8,8 +8,8 @@ Protocol (initiator I, responder R), on a control stream plus n-1 extra streams 
             blocks or dither; a modulo codec: R's values at I's probe positions, from which both size the step)
                                                                                             (I waits at most accept_timeout_s)
     I -> R  n-1 lane streams, each presenting the token
-    I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors (a modulo codec,
-            encoded only now: each tensor sent as soon as it is encoded, decoded as soon as it is in, `_pipelined`)
+    I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors (a modulo
+            codec, encoded only now: each tensor sent as soon as it is encoded, decoded once it is in: `_pipelined`)
     I <-> R one verdict byte each on the control stream: OK, or why the partner's tensors were discarded
 
 Failure semantics (what the daemon may rely on):
@@ -641,7 +641,7 @@ class Exchanger:
                 offer.wire, offer.own = await in_thread(encode)
             return offer.wire, offer.own
 
-    async def _pipelined(self, channels: list[Channel], offer: _Offer, codec, seed: int, steps: list[float],
+    async def _pipelined(self, channels: list[Channel], offer: _Offer, codec: Codec, seed: int, steps: list[float],
                          bufs: list[torch.Tensor], out: list[torch.Tensor]) -> list[int]:
         """A modulo codec's transfer: its payload can only be encoded once the handshake agreed the steps (from both
         sides' probes), so instead of encoding all, sending all, then decoding all, tensor k goes out as soon as it

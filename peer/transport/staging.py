@@ -2,8 +2,9 @@
 
 It owns every buffer the pairwise exchange needs, so none is allocated per round once the first exchange has run:
 - send: our payload in our codec (protocol/codec.py), encoded once per offer (a seeded codec: once per exchange,
-  with the exchange's seed; a modulo codec tensor by tensor, `encode_one`, while the transfer runs). Zero-copy where the codec is our tensors' own dtype on the CPU (a float32 model on a
-  float32 wire sends its tensors' memory as is). Tensors on a GPU are copied to pinned host memory without blocking
+  with the exchange's seed; a modulo codec tensor by tensor, `encode_one`, while the transfer runs). Zero-copy
+  where the codec is our tensors' own dtype on the CPU (a float32 model on a float32 wire sends its tensors'
+  memory as is). Tensors on a GPU are copied to pinned host memory without blocking
   and waited for once, not per tensor.
 - own wire form: what the partner decodes of our payload, Q(y_i), which the daemon mixes against (symmetric mixing:
   z_i = y_i + w (Q(y_j) - Q(y_i)), protocol/averaging.py `mix_pair_`). None for a lossless codec (our tensors).

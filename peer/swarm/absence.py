@@ -43,6 +43,12 @@ class AbsenceWatch:
             self._longest = max(self._longest, now - self._last)
             self._last = now
 
+    def peek(self) -> float:
+        """What `take` would return now, without starting a new interval (the listing asks whether we are just back
+        from a stop that the daemon has not handled yet)."""
+        with self._lock:
+            return max(self._longest, self._clock() - self._last)
+
     def take(self) -> float:
         with self._lock:
             longest = max(self._longest, self._clock() - self._last)

@@ -461,9 +461,14 @@ class Network(Reachability, Joining):
         self._seen_state = seen
         self.claims.forget_absent(records)
         s = self.status()
-        # our round is a vote among the claims, except while we join (or resync): then it says nothing
+        # our round is a vote among the claims, except while we join (or resync) and right after a stop of this
+        # process longer than our record's TTL, before the daemon resyncs: then it is stale. (Every record had
+        # expired in our view during the stop, so every peer is seen anew here; anchored at our stale round plus
+        # slack, the swarm's real rounds read as lies, no peer was a donor, and the resync found nobody: e2e
+        # test_swarm_gossip's frozen peer, once in a fresh clone.)
+        away = self.absence is not None and self.absence.peek() > self.cfg.swarm.announce_ttl_s
         self.claims.observe({p: r.round for p, r in records.items() if r.state != "joining"},
-                            None if s.state == "joining" else s.round, now, s.view.get("round_s"))
+                            None if s.state == "joining" or away else s.round, now, s.view.get("round_s"))
 
     def believed_rounds(self) -> dict[str, int]:
         """Listed peers past joining -> their announced round as far as we believe it (protocol/claims.py)."""

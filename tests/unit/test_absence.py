@@ -47,3 +47,13 @@ def test_resync_needs_both_the_ttl_and_several_rounds():
     assert not resync_due(20.0, ttl_s=6.0, recent_round_s=rounds, after_rounds=0)      # disabled
     assert resync_due(20.0, ttl_s=6.0, recent_round_s=[], after_rounds=3)              # no round yet: the TTL
 
+
+
+def test_peek_reports_a_stop_without_taking_it():
+    c = [0.0]
+    w = AbsenceWatch(clock=lambda: c[0])
+    c[0] = 20.0
+    assert w.peek() == 20.0                          # stopped, the loop has not ticked since
+    w.tick()                                         # back: the loop ticks again
+    assert w.peek() == 20.0 and w.peek() == 20.0     # the listing asks; the daemon's take still sees the stop
+    assert w.take() == 20.0 and w.peek() == 0.0

@@ -100,3 +100,22 @@ def test_donors_come_in_order_of_tenure_and_claims_past_the_swarm_are_cut(clock)
 class _Outer:
     def state_dict(self):
         return {}
+
+
+def test_after_a_stop_our_stale_round_does_not_anchor_the_peers_seen_anew(clock):
+    """A peer frozen longer than the TTL sees every record expire, then sees the swarm anew at rounds it did not
+    make. Anchored at its own stale round plus slack, those rounds read as lies and no peer was a donor: the
+    resync after the stop found nobody (e2e test_swarm_gossip, once in a fresh clone). Until the daemon handles
+    the stop, our round is no vote (as while joining)."""
+    from gasloc.peer.swarm.absence import AbsenceWatch
+
+    # not stopped: a peer at round 12 seeing peers anew at 22 believes them 12 + slack (the Sybil rule, as before)
+    for away_s, donors in ((0.0, set()), (20.0, {"a", "b", "c"})):
+        net = _net(own_round=12)
+        t = [0.0]
+        net.absence = AbsenceWatch(clock=lambda: t[0])
+        t[0] += away_s                                  # the loop did not tick for away_s: a stop
+        net.live = {p: _rec(p, round=22) for p in ("a", "b", "c")}     # the swarm went on 10 rounds
+        believed = net.believed_rounds()
+        got = {p for p, r in believed.items() if r >= 22}
+        assert got == donors, (away_s, believed)

@@ -113,7 +113,7 @@ def test_after_a_stop_our_stale_round_does_not_anchor_the_peers_seen_anew(clock)
     for away_s, donors in ((0.0, set()), (20.0, {"a", "b", "c"})):
         net = _net(own_round=12)
         t = [0.0]
-        net.absence = AbsenceWatch(clock=lambda: t[0])
+        net.absence = AbsenceWatch(clock=lambda t=t: t[0])
         t[0] += away_s                                  # the loop did not tick for away_s: a stop
         net.live = {p: _rec(p, round=22) for p in ("a", "b", "c")}     # the swarm went on 10 rounds
         believed = net.believed_rounds()

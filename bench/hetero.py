@@ -158,7 +158,8 @@ class Settings:
     def total_steps(self, algorithm: str, run: str = "") -> int | None:
         """inner.total_steps of a run: its decay rounds (the run's own entry, else its algorithm's), scaled to the
         run's duration, times H."""
-        per_180 = dict(self.decay_rounds).get(run, dict(self.decay_rounds).get(algorithm))
+        rounds = dict(self.decay_rounds)
+        per_180 = rounds.get(run, rounds.get(algorithm))
         if per_180 is None:
             return None
         return self.inner_steps * max(2, round(per_180 * self.duration_s / 180))

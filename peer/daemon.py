@@ -329,9 +329,9 @@ class Peer:
         tried: set[str] = set()
         states: list[tuple[str, int, list[torch.Tensor], float]] = []   # (donor, round, params, loss) that passed
         outer_of: dict[str, list[torch.Tensor]] = {}  # DiLoCo: each donor's outer state (its momentum)
+        trust = self._lowered_trust()   # no partner is judged while we download: one reading for every donor
         for _ in range(swarm.join_donor_pool + (1 if swarm.join_cross_check else 0)):
-            got = self.net.download_state(self.params, self.outer, exclude=tried, first=donors_first,
-                                          trust=self._lowered_trust())
+            got = self.net.download_state(self.params, self.outer, exclude=tried, first=donors_first, trust=trust)
             if got is None:
                 break
             donor, metadata, params = got

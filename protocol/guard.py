@@ -255,6 +255,9 @@ def clip_toward(own: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor], sca
     return [a + scale * (b - a) for a, b in zip(own, theirs)]
 
 
+RECOVERED = 1 - 1e-3   # a trust score above this is full again: forgotten, and no longer asked last for a state
+
+
 @dataclass
 class TrustBook:
     """A decaying per-peer trust score in (0, 1]: 1 - trust halves every half_life_s; offenses multiply trust."""
@@ -294,10 +297,10 @@ class TrustBook:
         return self.score(peer, now) < self.cfg.busy_below
 
     def lowered(self, now: float) -> dict[str, float]:
-        """peer -> trust score of every peer whose trust a clip or rejection lowered and has not recovered to within
-        1e-3 of full (the donors a resync asks last: protocol/donors.py pick_donors)."""
+        """peer -> trust score of every peer whose trust a clip or rejection lowered and has not recovered (the donors
+        a resync asks last: protocol/donors.py pick_donors)."""
         scores = {p: self.score(p, now) for p in self._lost}
-        return {p: s for p, s in scores.items() if s <= 1 - 1e-3}
+        return {p: s for p, s in scores.items() if s <= RECOVERED}
 
     def weights(self, peers: Iterable[str], now: float) -> dict[str, float]:
         return {p: self.score(p, now) for p in peers}
@@ -305,5 +308,5 @@ class TrustBook:
     def forget_recovered(self, now: float) -> None:
         """Drop peers whose trust is back within 1e-3 of full, so the table does not grow with churn."""
         for p in list(self._lost):
-            if self.score(p, now) > 1 - 1e-3:
+            if self.score(p, now) > RECOVERED:
                 self._lost.pop(p, None)

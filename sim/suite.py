@@ -610,7 +610,8 @@ SUITES: dict[str, Suite] = {
                "codec and seed; both sides mix the wire forms (symmetric mixing)"]),
     # claim (c) of paper-cosine once per codec: what the bytes saved buy in wall-clock on half-slow-10x links
     "codecs-c": codec_suite(
-        "codecs-c", workers=8, base=PAPER_BASE, b={}, seeds=[], codecs={"int8": 0.005, "int8-p10": 0.02, "mod4-sd": 0.005},
+        "codecs-c", workers=8, base=PAPER_BASE, b={}, seeds=[],
+        codecs={"int8": 0.005, "int8-p10": 0.02, "mod4-sd": 0.005},
         c={"inner.inner_steps": 20, "rounds": 30, "eval_every": 1, "inner.lr": 2e-3, "inner.total_steps": 600},
         c_gasloc={"bandwidth_weighted": True, "search.slower_link_ratio": 3.0},
         notes=["paper-cosine's claim (c) (half the links 10x slower, the clock charging a 100M-parameter model's "

@@ -36,7 +36,9 @@ def test_overlapped_swarm_pairs_learns_and_settles_on_sigterm(harness, bootstrap
     # Its catch-up resyncs are off: a resync settles and drops the exchange in flight (it carries the old model), and
     # a joiner whose last round resynced had none left to settle (one fresh-clone run failed so)
     cfg3 = h.run_dir / "p3.toml"
-    cfg3.write_text(cfg.read_text().replace("[guard]\n", "[guard]\ncatch_up_after_rejections = 0\n")
+    text = cfg.read_text()
+    assert "[guard]\n" in text and "[swarm]\n" in text, text    # the sections the two settings go into
+    cfg3.write_text(text.replace("[guard]\n", "[guard]\ncatch_up_after_rejections = 0\n")
                     .replace("[swarm]\n", "[swarm]\nresync_behind_rounds = 0\n"))
     start_peers(h, ["p3"], bootstrap, cfg3, "--max-rounds", "4")
     assert h.wait_exit("p3", 90) == 0, h.log("p3")

@@ -95,6 +95,8 @@ MODULO_BITS = (2, 3, 4, 8)
 RANGE_RMS = 8.0
 PROBE_VALUES = 64
 MIN_STEP = 1e-9
+# values a modulo encode rounds at once (a multiple of every packing group: whole bytes a chunk)
+MODULO_CHUNK = 1 << 18
 
 
 class CodecError(ValueError):
@@ -234,18 +236,27 @@ class Codec:
                        seed: int | None, step: float | None) -> None:
         if step is None or not math.isfinite(step) or step <= 0:
             raise CodecError(f"{self.name}: a modulo codec encodes with the exchange's agreed step, got {step}")
-        # float64: |y| / step passes 2^24 for a small step, where float32 would round the fraction stochastic
-        # rounding draws against
-        q = xb.to(torch.float64).div_(step)
         if self.shared:
             if seed is None:
                 raise CodecError(f"{self.name}: a shared dither encodes with the exchange's seed")
-            u = torch.rand(q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-            q.add_(u.to(xb.device))
-        else:
-            q.add_(torch.rand(q.shape, generator=generator, device=xb.device, dtype=torch.float64))
-        codes = torch.remainder(q.floor_(), 1 << self.bits).to(torch.uint8)
-        _pack(codes.view(-1), self.bits, out)
+            # drawn on the CPU from the seed alone, so that both sides, on any device, draw the same offsets
+            generator = torch.Generator().manual_seed(seed)
+        x, dev = xb.reshape(-1), xb.device
+        # chunk by chunk: the float64 temporaries of a whole tensor (8 bytes a value, three passes) spill the cache
+        # and made the encode 2.4x slower; the generator draws in order, so the codes are the same bit for bit
+        for a in range(0, x.numel(), MODULO_CHUNK):
+            b = min(a + MODULO_CHUNK, x.numel())
+            # float64: |y| / step passes 2^24 for a small step, where float32 would round the fraction stochastic
+            # rounding draws against
+            q = x[a:b].to(torch.float64).div_(step)
+            if self.shared:
+                q.add_(torch.rand(q.shape, generator=generator, dtype=torch.float64).to(dev))
+            else:
+                q.add_(torch.rand(q.shape, generator=generator, device=dev, dtype=torch.float64))
+            codes = torch.remainder(q.floor_(), 1 << self.bits).to(torch.uint8)
+            # a and b are multiples of every packing group (whole blocks, MODULO_CHUNK), so each chunk packs into
+            # whole bytes of its own
+            _pack(codes, self.bits, out[a * self.bits // 8:b * self.bits // 8])
 
     @torch.no_grad()
     def decode(self, payload: torch.Tensor, out: torch.Tensor, seed: int | None = None,
@@ -293,26 +304,65 @@ class Codec:
         -2^(b-1), is left unmixed on both sides. `fill` is our own tensor y_i, which is also our own wire form: the
         mix z_i = y_i + w (out - y_i) = y_i + w step d (protocol/averaging.py mix_pair_ with own_wire None)."""
         n = out.numel()
+        self._check_modulo_inputs(n, payload, fill, ref, step)
+        nb = self.blocks_sent(n)
+        if not self.sparse:
+            return self._decode_modulo_span(payload, ref, out, fill, 0, n, step)
+        if seed is None:
+            raise CodecError(f"{self.name}: a sparse codec decodes with the exchange's seed")
+        delta = self._modulo_delta(payload, ref, nb * self.block, step).view(nb, self.block)
+        base = torch.nn.functional.pad(fill.detach().reshape(-1).to("cpu", torch.float32),
+                                       (0, -(-n // self.block) * self.block - n))
+        base.view(-1, self.block).index_add_(0, self.block_choice(n, seed), delta)
+        out.view(-1).copy_(base[:n], non_blocking=True)
+        return out
+
+    @property
+    def decodes_ranges(self) -> bool:
+        """Any byte range of a payload decodes on its own (`decode_range`): a dense modulo code whose codes fill
+        whole bytes (2, 4 or 8 bits), so every split of the payload is a split between codes. The exchange decodes
+        each lane's share of a tensor as it lands instead of the whole tensor after its last byte."""
+        return self.modulo and not self.sparse and 8 % self.bits == 0
+
+    @torch.no_grad()
+    def decode_range(self, payload: torch.Tensor, out: torch.Tensor, start: int, fill: torch.Tensor | None,
+                     ref: torch.Tensor | None, step: float | None) -> None:
+        """Bytes [start, start + payload.numel()) of the partner's payload of `out` decoded into the values they
+        hold (`decode` for that part alone; the rest of `out` untouched): `ref` is the same bytes of our own
+        payload, `fill` our whole tensor. Only where `decodes_ranges`."""
+        n = out.numel()
+        if not self.decodes_ranges:
+            raise CodecError(f"{self.name}: a part of this codec's payload does not decode on its own")
+        if not 0 <= start <= start + payload.numel() <= self.tensor_bytes(n):
+            raise CodecError(f"{self.name}: bytes {start}..{start + payload.numel()} of a {self.tensor_bytes(n)}-"
+                             "byte payload")
+        self._check_modulo_inputs(n, payload, fill, ref, step)
+        per = 8 // self.bits
+        lo, hi = min(start * per, n), min((start + payload.numel()) * per, n)   # codes past n are padding
+        self._decode_modulo_span(payload, ref, out, fill, lo, hi, step)
+
+    def _check_modulo_inputs(self, n: int, payload: torch.Tensor, fill: torch.Tensor | None,
+                             ref: torch.Tensor | None, step: float | None) -> None:
         if fill is None or fill.numel() != n or ref is None or ref.numel() != payload.numel():
             raise CodecError(f"{self.name}: a modulo codec decodes against our own tensor and our own payload")
         if step is None or not math.isfinite(step) or step <= 0:
             raise CodecError(f"{self.name}: a modulo codec decodes with the exchange's agreed step, got {step}")
-        nb, half = self.blocks_sent(n), 1 << (self.bits - 1)
-        theirs = _unpack(payload, self.bits, nb * self.block).to(torch.int16)
-        mine = _unpack(ref, self.bits, nb * self.block).to(torch.int16)
-        d = theirs.sub_(mine).add_(half).bitwise_and_((1 << self.bits) - 1).sub_(half)   # in [-2^(b-1), 2^(b-1))
+
+    def _modulo_delta(self, payload: torch.Tensor, ref: torch.Tensor, ncodes: int, step: float) -> torch.Tensor:
+        """step * d for the codes of these bytes, d in [-2^(b-1), 2^(b-1)), -2^(b-1) read as 0 (see _decode_modulo)."""
+        half = 1 << (self.bits - 1)
+        theirs = _unpack(payload, self.bits, ncodes).to(torch.int16)
+        mine = _unpack(ref, self.bits, ncodes).to(torch.int16)
+        d = theirs.sub_(mine).add_(half).bitwise_and_((1 << self.bits) - 1).sub_(half)
         d.masked_fill_(d == -half, 0)
-        delta = d.to(torch.float32).mul_(step).view(nb, self.block)
-        base = torch.nn.functional.pad(fill.detach().reshape(-1).to("cpu", torch.float32),
-                                       (0, -(-n // self.block) * self.block - n))
-        if self.sparse:
-            if seed is None:
-                raise CodecError(f"{self.name}: a sparse codec decodes with the exchange's seed")
-            base.view(-1, self.block).index_add_(0, self.block_choice(n, seed), delta)
-        else:
-            base.view(-1, self.block).add_(delta)
-        flat = out.view(-1)
-        flat.copy_(base[:n], non_blocking=True)
+        return d.to(torch.float32).mul_(step)
+
+    def _decode_modulo_span(self, payload: torch.Tensor, ref: torch.Tensor, out: torch.Tensor,
+                            fill: torch.Tensor, lo: int, hi: int, step: float) -> torch.Tensor:
+        """Values lo..hi of `out`, from a dense payload's bytes that hold codes lo.. (and padding past n)."""
+        delta = self._modulo_delta(payload, ref, payload.numel() * 8 // self.bits, step)[:hi - lo]
+        out.view(-1)[lo:hi].copy_(delta.add_(fill.detach().reshape(-1)[lo:hi].to("cpu", torch.float32)),
+                                  non_blocking=True)
         return out
 
 

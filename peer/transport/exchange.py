@@ -9,7 +9,7 @@ Protocol (initiator I, responder R), on a control stream plus n-1 extra streams 
                                                                                             (I waits at most accept_timeout_s)
     I -> R  n-1 lane streams, each presenting the token
     I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors (a modulo
-            codec, encoded only now: each tensor sent as soon as it is encoded, decoded once it is in: `_pipelined`)
+            codec, encoded only now: each tensor sent as soon as it is encoded, decoded as it lands: `_pipelined`)
     I <-> R one verdict byte each on the control stream: OK, or why the partner's tensors were discarded
 
 Failure semantics (what the daemon may rely on):
@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
 from gasloc.peer.transport.lanes import LaneRegistry, gather_or_cancel, move, open_lanes
 from gasloc.peer.transport.staging import Staging
-from gasloc.peer.transport.tensor_io import in_thread
+from gasloc.peer.transport.tensor_io import in_thread, is_finite
 from gasloc.protocol.auth import EXCHANGE_ANSWER, EXCHANGE_CALL, PROOF_HEX_CHARS, proof_ok, stream_proof
 from gasloc.protocol.buckets import WIDEST_HINTS, PeerHint, from_wire, wire_hints
 from gasloc.protocol.codec import (
@@ -645,14 +645,37 @@ class Exchanger:
                          bufs: list[torch.Tensor], out: list[torch.Tensor]) -> list[int]:
         """A modulo codec's transfer: its payload can only be encoded once the handshake agreed the steps (from both
         sides' probes), so instead of encoding all, sending all, then decoding all, tensor k goes out as soon as it
-        is encoded (a worker thread encodes them in order) and each tensor of theirs is decoded as soon as all of it
-        is in (against our own tensor and our payload of it). The bytes are the same as the plain path's. Returns
-        the indices of their tensors that are not finite after decoding."""
+        is encoded (a worker thread encodes them in order) and their bytes are decoded as they land (against our
+        own tensor and our payload of it): each lane's share of a tensor as soon as that share is in, where the
+        codec `decodes_ranges` (p2pd delivers the lanes of a connection one after another, so waiting for a whole
+        tensor piled every decode up after the last byte), else each tensor once all of it is in. The bytes are the
+        same as the plain path's. Returns the indices of their tensors that are not finite after decoding."""
         loop = asyncio.get_running_loop()
         n = len(offer.tensors)
         encoded = [asyncio.Event() for _ in range(n)]
-        arrivals: asyncio.Queue[int] = asyncio.Queue()
+        landed: asyncio.Queue[tuple[int, int, int]] = asyncio.Queue()
         stop = threading.Event()
+        ranged = codec.decodes_ranges
+        left = [b.numel() if ranged else 1 for b in bufs]   # bytes (ranged) or tensors still to decode, per tensor
+
+        def decode_landed(batch: list[tuple[int, int, int]]) -> tuple[list[int], int]:
+            """In a worker thread: decode what landed; (their tensors now whole that are not finite, how many
+            tensors it made whole)."""
+            bad, whole = [], 0
+            for i, a, b in batch:
+                if ranged:
+                    self.staging.decode_range(codec, bufs[i], out[i], a, b, offer.tensors[i], ours[i], steps[i])
+                    left[i] -= b - a
+                    finite = left[i] > 0 or is_finite(out[i])
+                else:
+                    left[i] = 0
+                    finite = self.staging.decode_one(codec, bufs[i], out[i], seed, offer.tensors[i], ours[i],
+                                                     steps[i])
+                whole += left[i] == 0
+                if not finite:
+                    bad.append(i)
+            return bad, whole
+
         async with self._encode_lock:     # the send buffers are the staging's own
             ours = self.staging.send_buffers(offer.tensors)
 
@@ -664,13 +687,16 @@ class Exchanger:
                     loop.call_soon_threadsafe(encoded[k].set)
 
             async def decode() -> list[int]:
-                bad = []
-                for _ in range(n):
-                    i = await arrivals.get()
-                    await encoded[i].wait()   # our own payload of tensor i is what theirs decodes against
-                    if not await in_thread(self.staging.decode_one, codec, bufs[i], out[i], seed, offer.tensors[i],
-                                           ours[i], steps[i]):
-                        bad.append(i)
+                bad, todo = [], sum(1 for x in left if x > 0)   # a tensor of no bytes is whole from the start
+                while todo:
+                    batch = [await landed.get()]
+                    while not landed.empty():          # one thread hop for all that landed meanwhile
+                        batch.append(landed.get_nowait())
+                    for i, _, _ in batch:
+                        await encoded[i].wait()   # our own payload of tensor i is what theirs decodes against
+                    got, whole = await in_thread(decode_landed, batch)
+                    bad += got
+                    todo -= whole
                 return sorted(bad)
 
             encoder = loop.run_in_executor(None, encode)
@@ -678,9 +704,13 @@ class Exchanger:
             async def encoding() -> None:   # an encode that raises fails the transfer (a send would wait for ever)
                 await asyncio.shield(encoder)
 
+            if ranged:
+                hooks = {"landed": lambda i, a, b: landed.put_nowait((i, a, b))}
+            else:
+                hooks = {"arrived": lambda i: landed.put_nowait((i, 0, bufs[i].numel()))}
             try:
                 return (await gather_or_cancel([encoding(), decode(), move(
-                    channels, ours, bufs, self.cfg.chunk_bytes, ready=encoded, arrived=arrivals.put_nowait)]))[1]
+                    channels, ours, bufs, self.cfg.chunk_bytes, ready=encoded, **hooks)]))[1]
             finally:
                 # the encoder writes into the send buffers: it ends (at the next tensor) before the lock is let go
                 stop.set()

@@ -126,10 +126,12 @@ async def gather_or_cancel(coros: Sequence) -> list:
 
 async def move(channels: Sequence[Channel], out: Sequence[torch.Tensor], into: Sequence[torch.Tensor],
                chunk_bytes: int, ready: Sequence[asyncio.Event] | None = None,
-               arrived: Callable[[int], None] | None = None) -> None:
+               arrived: Callable[[int], None] | None = None,
+               landed: Callable[[int, int, int], None] | None = None) -> None:
     """Send `out` and fill `into` at once, lane k carrying share k of each payload. Raises if any lane fails.
     Pipelined (a codec encoded per exchange, peer/transport/exchange.py): a lane sends its share of out[i] once
-    `ready[i]` is set, and `arrived(i)` is called once all of into[i] is in."""
+    `ready[i]` is set, `landed(i, a, b)` is called once bytes a..b of into[i] (one lane's share of it) are in, and
+    `arrived(i)` once all of into[i] is."""
     out_views = [byte_view(t) for t in out]
     in_views = [byte_view(t) for t in into]
     sends = lane_segments([len(v) for v in out_views], len(channels))
@@ -152,6 +154,8 @@ async def move(channels: Sequence[Channel], out: Sequence[torch.Tensor], into: S
     async def receive(ch: Channel, segs) -> None:
         for i, a, b in segs:
             await ch.readinto(in_views[i][a:b])
+            if landed is not None:
+                landed(i, a, b)
             left[i] -= 1
             if left[i] == 0 and arrived is not None:
                 arrived(i)

@@ -1,5 +1,6 @@
 """protocol/codec.py and the symmetric mix (protocol/averaging.py mix_pair_): sizes, round trips, names, hostile
 payloads, and the pair mean that mixing the wire forms keeps where mixing our exact tensors did not."""
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,6 +10,7 @@ from gasloc.protocol.averaging import mix_pair_, pair_weight
 from gasloc.protocol.codec import (
     DEFAULT_CODEC,
     MIN_STEP,
+    MODULO_CHUNK,
     CodecError,
     parse,
     probe,
@@ -252,6 +254,58 @@ def test_modulo_needs_its_step_seed_and_own_codes_and_probes_are_checked():
     # identical tensors: the step falls to its floor and every coordinate decodes to our own
     steps = probe_steps(c, numels, good, good.clone())
     assert steps == [MIN_STEP, MIN_STEP]
+
+
+@pytest.mark.parametrize("name", ["mod4-sd", "mod2", "mod8"])
+def test_a_dense_modulo_payload_decodes_range_by_range_to_the_whole_decode(name):
+    """The exchange decodes each lane's share of a tensor as it lands (`decode_range`): cut anywhere, in any order,
+    the parts give the whole decode's values bit for bit, and a part touches only its own values."""
+    c = parse(name)
+    ya = tensors(3, numels=(5000, 77))
+    yb = [t + torch.randn_like(t) * 0.0005 for t in ya]
+    assert c.decodes_ranges
+    for own, theirs in zip(ya, yb):
+        pa, pb = c.encode(own, seed=7, step=1e-4), c.encode(theirs, seed=7, step=1e-4)
+        whole = c.decode(pb, torch.empty_like(own), 7, fill=own, ref=pa, step=1e-4)
+        cuts = sorted({0, pb.numel(), *torch.randint(1, pb.numel(), (5,), generator=torch.Generator().manual_seed(1))
+                       .tolist()})
+        parts = torch.full_like(own, float("nan"))
+        for a, b in reversed(list(zip(cuts, cuts[1:]))):
+            c.decode_range(pb[a:b], parts, a, own, pa[a:b], 1e-4)
+            lo = min(a * 8 // c.bits, own.numel())
+            assert bool(torch.isnan(parts[:lo]).all()) and not bool(torch.isnan(parts[lo:]).any())
+        assert torch.equal(parts, whole)
+    out = torch.empty(640)
+    p = c.encode(torch.zeros(640), seed=1, step=0.1)
+    with pytest.raises(CodecError, match="bytes"):
+        c.decode_range(p[:8], out, p.numel() - 4, torch.zeros(640), p[:8], 0.1)
+    with pytest.raises(CodecError, match="own"):
+        c.decode_range(p[:8], out, 0, torch.zeros(640), p[:4], 0.1)
+    for other in ("mod3", "mod4-p25", "int4", "float16"):    # a byte is not a whole number of codes, or sparse
+        assert not parse(other).decodes_ranges
+    with pytest.raises(CodecError, match="does not decode on its own"):
+        parse("mod3").decode_range(p[:3], out, 0, torch.zeros(640), p[:3], 0.1)
+
+
+@pytest.mark.parametrize("name", ["mod4-sd", "mod3", "mod2-sd", "mod8"])
+def test_modulo_encodes_chunk_by_chunk_to_the_codes_of_the_whole_tensor(name):
+    """The encode rounds MODULO_CHUNK values at a time (a cache-sized float64 temporary); the codes must be those
+    of rounding the whole tensor at once with the same draws, bit for bit: the partner decodes against them."""
+    c = parse(name)
+    n = 2 * MODULO_CHUNK + 640                      # three chunks, the last a short one
+    y = torch.randn(n) * 0.02
+    g = torch.Generator().manual_seed(11)
+    got = c.encode(y, seed=7, step=1e-3, generator=torch.Generator().manual_seed(11))
+    q = y.to(torch.float64).div(1e-3)
+    q += torch.rand(n, generator=torch.Generator().manual_seed(7) if c.shared else g, dtype=torch.float64)
+    codes = torch.remainder(q.floor(), 1 << c.bits).to(torch.uint8)
+    assert torch.equal(got, _pack_reference(codes, c.bits))
+
+
+def _pack_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Little-end-first packing as a bit stream: each code's bits, lowest first, one after another."""
+    stream = np.unpackbits(codes.numpy()[:, None], axis=1, bitorder="little")[:, :bits].reshape(-1)
+    return torch.from_numpy(np.packbits(stream, bitorder="little"))
 
 
 @settings(max_examples=200, deadline=None)

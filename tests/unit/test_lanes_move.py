@@ -90,3 +90,33 @@ def test_arrivals_wait_for_every_lanes_share_of_a_tensor():
         assert arrived == [0] and torch.equal(got[0], theirs[0])
 
     asyncio.run(main())
+
+
+def test_each_lanes_share_of_a_tensor_is_reported_as_it_lands():
+    """`landed(i, a, b)`: what a range-decoding codec decodes while the other lanes still carry the rest; every byte
+    of every tensor is reported once, and a share only once its bytes are in."""
+    async def main():
+        sizes = (10, 0, 30)
+        ours = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+        theirs = [torch.arange(n, dtype=torch.uint8) for n in sizes]   # 40 bytes, 3 lanes: 0-12, 13-25, 26-39
+        got = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+        mine, partners = _pair(3, [])
+        landed: list[tuple[int, int, int]] = []
+
+        def land(i, a, b):
+            assert torch.equal(got[i][a:b], theirs[i][a:b])      # the bytes are in when it is called
+            landed.append((i, a, b))
+
+        task = asyncio.ensure_future(move(mine, ours, got, 4, landed=land))
+        await partners[1].write(memoryview(theirs[2].numpy())[3:16], 4)    # lane 1 alone: bytes 13..25 overall
+        await asyncio.sleep(0.02)
+        assert landed == [(2, 3, 16)]
+        await partners[0].write(memoryview(torch.cat(theirs).numpy())[:13], 4)
+        await partners[2].write(memoryview(theirs[2].numpy())[16:], 4)
+        for ch in partners:
+            await ch.readinto(memoryview(bytearray(13 if ch is not partners[2] else 14)))
+        await asyncio.wait_for(task, 5)
+        assert sorted(landed) == [(0, 0, 10), (2, 0, 3), (2, 3, 16), (2, 16, 30)]
+        assert all(torch.equal(a, b) for a, b in zip(got, theirs))
+
+    asyncio.run(main())

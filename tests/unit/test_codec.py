@@ -289,14 +289,18 @@ def test_a_dense_modulo_payload_decodes_range_by_range_to_the_whole_decode(name)
 
 @pytest.mark.parametrize("name", ["mod4-sd", "mod3", "mod2-sd", "mod8"])
 def test_modulo_encodes_chunk_by_chunk_to_the_codes_of_the_whole_tensor(name):
-    """The encode rounds MODULO_CHUNK values at a time (a cache-sized float64 temporary); the codes must be those
-    of rounding the whole tensor at once with the same draws, bit for bit: the partner decodes against them."""
+    """The encode rounds MODULO_CHUNK values at a time (a cache-sized float64 temporary) and takes the code from the
+    low bits of an int64; the codes must be those of rounding the whole tensor at once with the same draws and
+    taking the remainder, bit for bit, also for values far past the range: the partner decodes against them."""
     c = parse(name)
     n = 2 * MODULO_CHUNK + 640                      # three chunks, the last a short one
     y = torch.randn(n) * 0.02
+    y[::997] = torch.randn(n)[::997] * 1e30       # past int64 as multiples of the step: codes 0, as the remainder
+    y[1::997] = -3.1234567e9                       # negative, past 2^31 steps
+    step = 1.2345678e-3
     g = torch.Generator().manual_seed(11)
-    got = c.encode(y, seed=7, step=1e-3, generator=torch.Generator().manual_seed(11))
-    q = y.to(torch.float64).div(1e-3)
+    got = c.encode(y, seed=7, step=step, generator=torch.Generator().manual_seed(11))
+    q = y.to(torch.float64).div(step)
     q += torch.rand(n, generator=torch.Generator().manual_seed(7) if c.shared else g, dtype=torch.float64)
     codes = torch.remainder(q.floor(), 1 << c.bits).to(torch.uint8)
     assert torch.equal(got, _pack_reference(codes, c.bits))

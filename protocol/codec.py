@@ -323,27 +323,48 @@ class Codec:
 
     @property
     def decodes_ranges(self) -> bool:
-        """Any byte range of a payload decodes on its own (`decode_range`): a dense modulo code whose codes fill
-        whole bytes (2, 4 or 8 bits), so every split of the payload is a split between codes. The exchange decodes
-        each lane's share of a tensor as it lands instead of the whole tensor after its last byte."""
-        return self.modulo and not self.sparse and 8 % self.bits == 0
+        """Any byte range of a payload decodes on its own once the tensor's `range_header_bytes` are in
+        (`decode_range`): a dense modulo or blockwise code whose codes fill whole bytes (2, 4 or 8 bits), so every
+        split of the payload is a split between codes. The exchange decodes each lane's share of a tensor as it
+        lands instead of the whole tensor after its last byte."""
+        return self.block > 0 and not self.sparse and 8 % self.bits == 0
+
+    def range_header_bytes(self, numel: int) -> int:
+        """The leading bytes of a tensor's payload that every range of it needs: a blockwise code's scales (0: a
+        modulo code, whose reference is our own payload)."""
+        return 0 if self.modulo else 2 * self.blocks_sent(numel)
 
     @torch.no_grad()
-    def decode_range(self, payload: torch.Tensor, out: torch.Tensor, start: int, fill: torch.Tensor | None,
-                     ref: torch.Tensor | None, step: float | None) -> None:
-        """Bytes [start, start + payload.numel()) of the partner's payload of `out` decoded into the values they
-        hold (`decode` for that part alone; the rest of `out` untouched): `ref` is the same bytes of our own
-        payload, `fill` our whole tensor. Only where `decodes_ranges`."""
+    def decode_range(self, payload: torch.Tensor, out: torch.Tensor, start: int, stop: int,
+                     fill: torch.Tensor | None = None, ref: torch.Tensor | None = None,
+                     step: float | None = None) -> None:
+        """Bytes start..stop of a tensor's whole payload buffer decoded into the values they hold of `out` (what
+        `decode` gives for them; the rest of `out` untouched). The caller guarantees that those bytes and the first
+        `range_header_bytes` are in; other bytes of the buffer may be anything (a code beside the range may be
+        read, never written out). A modulo code decodes against `fill`, our whole tensor, and `ref`, our whole
+        payload. Only where `decodes_ranges`."""
         n = out.numel()
         if not self.decodes_ranges:
             raise CodecError(f"{self.name}: a part of this codec's payload does not decode on its own")
-        if not 0 <= start <= start + payload.numel() <= self.tensor_bytes(n):
-            raise CodecError(f"{self.name}: bytes {start}..{start + payload.numel()} of a {self.tensor_bytes(n)}-"
-                             "byte payload")
-        self._check_modulo_inputs(n, payload, fill, ref, step)
-        per = 8 // self.bits
-        lo, hi = min(start * per, n), min((start + payload.numel()) * per, n)   # codes past n are padding
-        self._decode_modulo_span(payload, ref, out, fill, lo, hi, step)
+        size = self.tensor_bytes(n)
+        if payload.dtype != torch.uint8 or payload.numel() != size or not 0 <= start <= stop <= size:
+            raise CodecError(f"{self.name}: bytes {start}..{stop} of a payload of {payload.numel()} bytes for {n} "
+                             f"values, expected {size}")
+        per, head = 8 // self.bits, self.range_header_bytes(n)
+        lo, hi = min(max(start - head, 0) * per, n), min(max(stop - head, 0) * per, n)   # past n: padding
+        if lo >= hi:
+            return
+        if self.modulo:
+            self._check_modulo_inputs(n, payload, fill, ref, step)
+            self._decode_modulo_span(payload[start:stop], ref[start:stop], out, fill, lo, hi, step)
+            return
+        # whole blocks around the values, their codes read as they are (those beside the range are not written)
+        b0, b1 = lo // self.block, -(-hi // self.block)
+        scales = payload[:head].view(torch.float16)[b0:b1].float()
+        codes = _unpack(payload[head + b0 * self.block // per:head + b1 * self.block // per], self.bits,
+                        (b1 - b0) * self.block)
+        vals = codes.view(-1, self.block).float().sub_((1 << (self.bits - 1)) - 1).mul_(scales.unsqueeze(1))
+        out.view(-1)[lo:hi].copy_(vals.view(-1)[lo - b0 * self.block:hi - b0 * self.block], non_blocking=True)
 
     def _check_modulo_inputs(self, n: int, payload: torch.Tensor, fill: torch.Tensor | None,
                              ref: torch.Tensor | None, step: float | None) -> None:

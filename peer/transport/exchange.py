@@ -8,8 +8,9 @@ Protocol (initiator I, responder R), on a control stream plus n-1 extra streams 
             blocks or dither; a modulo codec: R's values at I's probe positions, from which both size the step)
                                                                                             (I waits at most accept_timeout_s)
     I -> R  n-1 lane streams, each presenting the token
-    I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors (a modulo
-            codec, encoded only now: each tensor sent as soon as it is encoded, decoded as it lands: `_pipelined`)
+    I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors; a dense
+            codec of whole-byte codes decoded as they land (peer/transport/landing.py); a modulo codec, encoded
+            only now: each tensor sent as soon as it is encoded (`_pipelined`)
     I <-> R one verdict byte each on the control stream: OK, or why the partner's tensors were discarded
 
 Failure semantics (what the daemon may rely on):
@@ -60,9 +61,10 @@ from hivemind.p2p import P2P, PeerID
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
+from gasloc.peer.transport.landing import Landing
 from gasloc.peer.transport.lanes import LaneRegistry, gather_or_cancel, move, open_lanes
 from gasloc.peer.transport.staging import Staging
-from gasloc.peer.transport.tensor_io import in_thread, is_finite
+from gasloc.peer.transport.tensor_io import in_thread
 from gasloc.protocol.auth import EXCHANGE_ANSWER, EXCHANGE_CALL, PROOF_HEX_CHARS, proof_ok, stream_proof
 from gasloc.protocol.buckets import WIDEST_HINTS, PeerHint, from_wire, wire_hints
 from gasloc.protocol.codec import (
@@ -645,39 +647,16 @@ class Exchanger:
                          bufs: list[torch.Tensor], out: list[torch.Tensor]) -> list[int]:
         """A modulo codec's transfer: its payload can only be encoded once the handshake agreed the steps (from both
         sides' probes), so instead of encoding all, sending all, then decoding all, tensor k goes out as soon as it
-        is encoded (a worker thread encodes them in order) and their bytes are decoded as they land (against our
-        own tensor and our payload of it): each lane's share of a tensor as soon as that share is in, where the
-        codec `decodes_ranges` (p2pd delivers the lanes of a connection one after another, so waiting for a whole
-        tensor piled every decode up after the last byte), else each tensor once all of it is in. The bytes are the
-        same as the plain path's. Returns the indices of their tensors that are not finite after decoding."""
+        is encoded (a worker thread encodes them in order) and their bytes are decoded as they land
+        (peer/transport/landing.py), each against our own tensor and our payload of it once that is encoded. The
+        bytes are the same as the plain path's. Returns the indices of their tensors that are not finite after
+        decoding."""
         loop = asyncio.get_running_loop()
-        n = len(offer.tensors)
-        encoded = [asyncio.Event() for _ in range(n)]
-        landed: asyncio.Queue[tuple[int, int, int]] = asyncio.Queue()
+        encoded = [asyncio.Event() for _ in offer.tensors]
         stop = threading.Event()
-        ranged = codec.decodes_ranges
-        left = [b.numel() if ranged else 1 for b in bufs]   # bytes (ranged) or tensors still to decode, per tensor
-
-        def decode_landed(batch: list[tuple[int, int, int]]) -> tuple[list[int], int]:
-            """In a worker thread: decode what landed; (their tensors now whole that are not finite, how many
-            tensors it made whole)."""
-            bad, whole = [], 0
-            for i, a, b in batch:
-                if ranged:
-                    self.staging.decode_range(codec, bufs[i], out[i], a, b, offer.tensors[i], ours[i], steps[i])
-                    left[i] -= b - a
-                    finite = left[i] > 0 or is_finite(out[i])
-                else:
-                    left[i] = 0
-                    finite = self.staging.decode_one(codec, bufs[i], out[i], seed, offer.tensors[i], ours[i],
-                                                     steps[i])
-                whole += left[i] == 0
-                if not finite:
-                    bad.append(i)
-            return bad, whole
-
         async with self._encode_lock:     # the send buffers are the staging's own
             ours = self.staging.send_buffers(offer.tensors)
+            landing = Landing(self.staging, codec, bufs, out, seed, offer.tensors, ours, steps, ready=encoded)
 
             def encode() -> None:
                 for k, t in enumerate(offer.tensors):
@@ -686,31 +665,14 @@ class Exchanger:
                     self.staging.encode_one(k, t, seed, steps[k])
                     loop.call_soon_threadsafe(encoded[k].set)
 
-            async def decode() -> list[int]:
-                bad, todo = [], sum(1 for x in left if x > 0)   # a tensor of no bytes is whole from the start
-                while todo:
-                    batch = [await landed.get()]
-                    while not landed.empty():          # one thread hop for all that landed meanwhile
-                        batch.append(landed.get_nowait())
-                    for i, _, _ in batch:
-                        await encoded[i].wait()   # our own payload of tensor i is what theirs decodes against
-                    got, whole = await in_thread(decode_landed, batch)
-                    bad += got
-                    todo -= whole
-                return sorted(bad)
-
             encoder = loop.run_in_executor(None, encode)
 
             async def encoding() -> None:   # an encode that raises fails the transfer (a send would wait for ever)
                 await asyncio.shield(encoder)
 
-            if ranged:
-                hooks = {"landed": lambda i, a, b: landed.put_nowait((i, a, b))}
-            else:
-                hooks = {"arrived": lambda i: landed.put_nowait((i, 0, bufs[i].numel()))}
             try:
-                return (await gather_or_cancel([encoding(), decode(), move(
-                    channels, ours, bufs, self.cfg.chunk_bytes, ready=encoded, **hooks)]))[1]
+                return (await gather_or_cancel([encoding(), landing.run(), move(
+                    channels, ours, bufs, self.cfg.chunk_bytes, ready=encoded, **landing.hooks())]))[1]
             finally:
                 # the encoder writes into the send buffers: it ends (at the next tensor) before the lock is let go
                 stop.set()
@@ -735,10 +697,15 @@ class Exchanger:
             own, bad = None, await self._pipelined(channels, offer, codec, seed, steps, bufs, out)
         else:
             ours, own = await self._wire_tensors(offer, seed, steps)
-            await move(channels, ours, bufs, self.cfg.chunk_bytes)
             fill = own if own is not None else offer.tensors
-            bad = await in_thread(self.staging.decode, codec, bufs, out, seed, fill, ours if codec.modulo else None,
-                                  steps)
+            ref = ours if codec.modulo else None
+            if codec.decodes_ranges:   # each lane's share decoded as it lands, beside the transfer
+                landing = Landing(self.staging, codec, bufs, out, seed, fill, ref, steps)
+                bad = (await gather_or_cancel([landing.run(), move(channels, ours, bufs, self.cfg.chunk_bytes,
+                                                                    **landing.hooks())]))[0]
+            else:   # a cast (a copy, or nothing but the finite check) or a sparse code: after the last byte
+                await move(channels, ours, bufs, self.cfg.chunk_bytes)
+                bad = await in_thread(self.staging.decode, codec, bufs, out, seed, fill, ref, steps)
         ch = channels[0]
         verdict = Code.NOT_FINITE if bad else Code.OK
         eng.verdict_sent = True

@@ -129,11 +129,11 @@ class Staging:
 
     @torch.no_grad()
     def decode_range(self, codec: Codec, buf: torch.Tensor, out: torch.Tensor, start: int, stop: int,
-                     fill: torch.Tensor, ref: torch.Tensor, step: float) -> None:
+                     fill: torch.Tensor | None, ref: torch.Tensor | None, step: float | None) -> None:
         """Bytes start..stop of one tensor's payload into the values of `out` they hold, where the codec
-        `decodes_ranges` (a pipelined exchange decodes each lane's share as it lands); the caller checks the whole
-        tensor is finite once every part is in (`is_finite`)."""
-        codec.decode_range(buf[start:stop], out, start, fill, ref[start:stop], step)
+        `decodes_ranges` (the exchange decodes each lane's share as it lands, peer/transport/landing.py); the
+        caller checks the whole tensor is finite once every part is in."""
+        codec.decode_range(buf, out, start, stop, fill, ref, step)
 
     def release(self) -> None:
         """Drop every buffer kept between exchanges (payloads, own wire form, spare decoded tensors); the next

@@ -256,35 +256,49 @@ def test_modulo_needs_its_step_seed_and_own_codes_and_probes_are_checked():
     assert steps == [MIN_STEP, MIN_STEP]
 
 
-@pytest.mark.parametrize("name", ["mod4-sd", "mod2", "mod8"])
-def test_a_dense_modulo_payload_decodes_range_by_range_to_the_whole_decode(name):
-    """The exchange decodes each lane's share of a tensor as it lands (`decode_range`): cut anywhere, in any order,
-    the parts give the whole decode's values bit for bit, and a part touches only its own values."""
+@pytest.mark.parametrize("name", ["mod4-sd", "mod2", "mod8", "int8", "int4-sd", "int2-b256", "int8-rn"])
+def test_a_dense_payload_decodes_range_by_range_to_the_whole_decode(name):
+    """The exchange decodes each lane's share of a tensor as it lands (`decode_range`): cut anywhere (inside a
+    block, inside the scales), the parts give the whole decode's values bit for bit, in any order once the scales
+    are in; a part writes only its own values, and bytes beside it that have not landed change nothing."""
     c = parse(name)
+    assert c.decodes_ranges
     ya = tensors(3, numels=(5000, 77))
     yb = [t + torch.randn_like(t) * 0.0005 for t in ya]
-    assert c.decodes_ranges
     for own, theirs in zip(ya, yb):
         pa, pb = c.encode(own, seed=7, step=1e-4), c.encode(theirs, seed=7, step=1e-4)
-        whole = c.decode(pb, torch.empty_like(own), 7, fill=own, ref=pa, step=1e-4)
-        cuts = sorted({0, pb.numel(), *torch.randint(1, pb.numel(), (5,), generator=torch.Generator().manual_seed(1))
-                       .tolist()})
+        mod = {"fill": own, "ref": pa, "step": 1e-4} if c.modulo else {}
+        whole = c.decode(pb, torch.empty_like(own), 7, **mod)
+        head = c.range_header_bytes(own.numel())
+        assert head == (0 if c.modulo else 2 * -(-own.numel() // c.block))
+        cuts = sorted({0, head, pb.numel(), *torch.randint(
+            1, pb.numel(), (5,), generator=torch.Generator().manual_seed(1)).tolist()})
         parts = torch.full_like(own, float("nan"))
+        landed = pb.clone()
+        landed[head:] = 0xA5                               # codes not landed yet: stale bytes
         for a, b in reversed(list(zip(cuts, cuts[1:]))):
-            c.decode_range(pb[a:b], parts, a, own, pa[a:b], 1e-4)
-            lo = min(a * 8 // c.bits, own.numel())
+            landed[a:b] = pb[a:b]
+            c.decode_range(landed, parts, a, b, **mod)
+            lo = min(max(a - head, 0) * 8 // c.bits, own.numel())
             assert bool(torch.isnan(parts[:lo]).all()) and not bool(torch.isnan(parts[lo:]).any())
         assert torch.equal(parts, whole)
-    out = torch.empty(640)
     p = c.encode(torch.zeros(640), seed=1, step=0.1)
+    mod = {"fill": torch.zeros(640), "ref": p, "step": 0.1} if c.modulo else {}
     with pytest.raises(CodecError, match="bytes"):
-        c.decode_range(p[:8], out, p.numel() - 4, torch.zeros(640), p[:8], 0.1)
-    with pytest.raises(CodecError, match="own"):
-        c.decode_range(p[:8], out, 0, torch.zeros(640), p[:4], 0.1)
-    for other in ("mod3", "mod4-p25", "int4", "float16"):    # a byte is not a whole number of codes, or sparse
-        assert not parse(other).decodes_ranges
+        c.decode_range(p, torch.empty(640), p.numel() - 4, p.numel() + 4, **mod)
+    with pytest.raises(CodecError, match="bytes"):
+        c.decode_range(p[:8], torch.empty(640), 0, 8, **mod)     # the whole buffer, not a slice
+    if c.modulo:
+        with pytest.raises(CodecError, match="own"):
+            c.decode_range(p, torch.empty(640), 0, 8, fill=torch.zeros(640), ref=p[:4], step=0.1)
+
+
+def test_only_dense_codes_that_fill_whole_bytes_decode_by_ranges():
+    for other in ("mod3", "mod4-p25", "int3", "int8-p10", "float16", "float32"):   # a byte is not whole codes, or
+        assert not parse(other).decodes_ranges                                   # sparse, or a cast
+    p = parse("mod3").encode(torch.zeros(640), seed=1, step=0.1)
     with pytest.raises(CodecError, match="does not decode on its own"):
-        parse("mod3").decode_range(p[:3], out, 0, torch.zeros(640), p[:3], 0.1)
+        parse("mod3").decode_range(p, torch.empty(640), 0, 3, fill=torch.zeros(640), ref=p, step=0.1)
 
 
 @pytest.mark.parametrize("name", ["mod4-sd", "mod3", "mod2-sd", "mod8"])

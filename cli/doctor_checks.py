@@ -182,7 +182,7 @@ def check_codec(peer_config: Path | None) -> Check:
 
     from gasloc.peer.config import PeerConfig
     from gasloc.peer.train.model import build_model
-    from gasloc.protocol.codec import parse
+    from gasloc.protocol.codec import FALLBACK_CODEC, parse
     from gasloc.runtime.config import ConfigError, resolve
 
     try:
@@ -197,7 +197,9 @@ def check_codec(peer_config: Path | None) -> Check:
     per = c.bits_per_param(numels) / 8
     vocab = "" if cfg.data.tokenizer == "bytes" else " (embeddings at a 256-token vocabulary)"
     note = "lossless" if c.lossless else "partners mix each other's decoded forms (docs/codecs.md)"
-    if c.sparse or c.modulo:   # a partner in any other codec answers BAD_DTYPE
+    if c.modulo:   # decoded only against our own codes of the same kind (protocol/codec.py sent_codec)
+        note += f"; with a partner of another codec it sends {FALLBACK_CODEC} instead"
+    elif c.sparse:   # a partner in any other codec answers BAD_DTYPE: both must send the same blocks
         note += f"; it pairs only with peers that send {c.name} too"
     return Check("wire codec", OK, f"exchange.codec = {c.name}: {8 * per:.2f} bits a parameter; the {cfg.model.preset} "
                  f"model{vocab} sends {sum(numels) * per / 1e6:.1f} MB each way an exchange; {note}; state "

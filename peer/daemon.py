@@ -55,7 +55,6 @@ from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
 from gasloc.peer.train.outer import make_outer, mix_applied_once
 from gasloc.peer.transport.staging import Staging
 from gasloc.protocol.averaging import mix_pair_, pair_weight
-from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.decision import Decision, MixJudge, PrivateChecks
 from gasloc.protocol.donors import adopted_round, cross_check
 from gasloc.protocol.guard import FarStreak, swarm_ahead
@@ -775,7 +774,8 @@ class Peer:
                             v.code.name if v.code else "-", v.reason)
                 return None, consensus
             scales = list(v.scales)   # clipped: the partner pulls by this share of its difference, per tensor
-        weight = pair_weight(self.cfg.outer.mix_weight, parse_codec(self.cfg.exchange.codec).mix_weight)
+        # the codecs that travelled decide (both sides alike): a modulo peer's fallback mixes at the pair's mean
+        weight = pair_weight(self.cfg.outer.mix_weight, ex.mix_weight)
         for s in set(scales):  # one in-place mix per distinct clip scale (most tensors: 1)
             ks = [k for k, x in enumerate(scales) if x == s]
             mix_pair_([received[k] for k in ks], [sent[k] for k in ks],

@@ -52,8 +52,10 @@ compute the same step from the two (`probe_steps`), so the range spans RANGE_RMS
 coordinate further apart than the range wraps and pulls the wrong way, by at most the range, on both sides alike:
 the partner reads -d from the same two codes, so the pair's mean is kept exactly (the one value whose sign both
 would read alike, -2^(b-1), is not mixed). A hostile partner's pull is bounded by the range a coordinate. Our own
-wire form is our tensors themselves (`Staging.own_wire` None). mod4 is 4 bits a parameter; a modulo codec pairs
-only with itself.
+wire form is our tensors themselves (`Staging.own_wire` None). mod4 is 4 bits a parameter. A modulo code is read
+only against the same code of our own, so with a partner of any other codec a modulo peer sends FALLBACK_CODEC
+instead (`sent_codec`: both sides derive it from the two codec names in the headers, no round trip), and the pair
+mixes at the pair's mean (`exchange_mix_weight`): a swarm whose volunteers set different codecs stays one swarm.
 
 Decoding checks nothing but sizes: the receiver checks the decoded values are finite (a NaN or Inf scale decodes to
 NaN), and the guard judges the decoded tensors.
@@ -98,6 +100,11 @@ MIN_STEP = 1e-9
 # values a modulo encode rounds at once (a multiple of every packing group: whole bytes a chunk)
 MODULO_CHUNK = 1 << 18
 _INT_CLAMP = float(1 << 62)
+
+
+# what a modulo peer sends a partner of another codec (the partner's own codes are no reference for ours): the
+# cheapest blockwise code that loses nothing measurable (docs/codecs.md)
+FALLBACK_CODEC = "int8"
 
 
 class CodecError(ValueError):
@@ -491,6 +498,19 @@ def _parse(name: str) -> Codec:
         raise CodecError(f"codec {name!r}: -p{pct}, the share of blocks sent must be 1..99 percent")
     return Codec(name, bits=bits, block=block, stochastic=m["rounding"] != "rn", percent=pct,
                  shared=m["rounding"] == "sd")
+
+
+def sent_codec(own: Codec, other: Codec) -> Codec:
+    """What a peer whose codec is `own` sends a partner whose header names `other`: its own codec, except a modulo
+    one facing any other codec, which sends FALLBACK_CODEC. Both sides compute it from the same two names."""
+    return parse(FALLBACK_CODEC) if own.modulo and other != own else own
+
+
+def exchange_mix_weight(sent: Codec, received: Codec) -> float | None:
+    """The weight per partner of one exchange where outer.mix_weight is unset: the codec's own (Codec.mix_weight)
+    only where both sides sent that codec, else the pair's mean (None). Both sides compute the same, so the pair's
+    mean stays exact."""
+    return sent.mix_weight if sent == received else None
 
 
 def check_name(name: str) -> str:

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from gasloc.protocol.codec import Codec, CodecError, read_probe
+from gasloc.protocol.codec import FALLBACK_CODEC, Codec, CodecError, read_probe, sent_codec
 from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
@@ -117,10 +117,12 @@ def _check_specs(fingerprint_got: str, specs: Sequence[TensorSpec], total_bytes:
 
 def _check_exchange(fingerprint_got: str, codec_name: str, specs: Sequence[TensorSpec], total_bytes: int, *,
                     expected_specs: Sequence[TensorSpec], fingerprint: str, max_bytes: int,
-                    codec: Codec | None, probe: str = "") -> tuple[Code, str]:
-    """An exchange header's payload: our specs, in a codec we read (a sparse or modulo one only if it is ours: both
-    sides must send the same blocks, decode against their own codes), exactly the bytes that codec makes of them; a
-    modulo codec's probe of exactly its size, finite."""
+                    codec: Codec | None, probe: str = "", sent: bool = False) -> tuple[Code, str]:
+    """An exchange header's payload: our specs, in a codec we read, exactly the bytes that codec makes of them; a
+    modulo codec's probe of exactly its size, finite. What each side then sends follows from the two codecs
+    (`sent_codec`: a modulo peer sends FALLBACK_CODEC to a partner of another codec); a sparse codec needs the same
+    on both sides (both send the same blocks). `sent`: the header names what the partner sends (a reply), not its
+    own codec: a modulo one must then be ours (an honest responder falls back)."""
     code, why = _check_specs(fingerprint_got, specs, total_bytes, expected_specs=expected_specs,
                              fingerprint=fingerprint, max_bytes=max_bytes)
     if code != Code.OK:
@@ -129,11 +131,14 @@ def _check_exchange(fingerprint_got: str, codec_name: str, specs: Sequence[Tenso
         theirs = parse_codec(codec_name)
     except CodecError as e:
         return Code.BAD_DTYPE, str(e)
-    if codec is not None and (theirs.modulo or codec.modulo) and theirs != codec:
-        return Code.BAD_DTYPE, (f"codec {theirs.name!r} with ours {codec.name!r}: a modulo codec is decoded against "
-                                "our own codes, so it needs the same on both sides")
-    if codec is not None and (theirs.sparse or codec.sparse) and theirs != codec:
-        return Code.BAD_DTYPE, f"codec {theirs.name!r} with ours {codec.name!r}: a sparse codec needs the same on both sides"
+    if codec is not None:
+        if sent and theirs.modulo and theirs != codec:
+            return Code.BAD_DTYPE, (f"codec {theirs.name!r} with ours {codec.name!r}: a modulo codec is decoded "
+                                    f"against our own codes; a responder of another codec sends {FALLBACK_CODEC}")
+        ours_sent, theirs_sent = sent_codec(codec, theirs), theirs if sent else sent_codec(theirs, codec)
+        if (theirs_sent.sparse or ours_sent.sparse) and theirs_sent != ours_sent:
+            return Code.BAD_DTYPE, (f"codec {theirs.name!r} with ours {codec.name!r}: a sparse codec needs the same "
+                                    "on both sides")
     want = theirs.payload_bytes([s.numel for s in specs])
     if total_bytes != want:
         return Code.BAD_HEADER, f"total_bytes {total_bytes} != {want} that codec {theirs.name} makes of the specs"
@@ -163,7 +168,7 @@ def check_reply(reply: ExchangeReply, *, expected_specs: Sequence[TensorSpec], f
         return Code.parse(reply.code), reply.message
     return _check_exchange(reply.fingerprint, reply.codec, reply.specs, reply.total_bytes,
                            expected_specs=expected_specs, fingerprint=fingerprint, max_bytes=max_bytes, codec=codec,
-                           probe=reply.probe)
+                           probe=reply.probe, sent=True)
 
 
 def check_state_reply(reply: StateReply, *, expected_specs: Sequence[TensorSpec],

@@ -73,11 +73,13 @@ from gasloc.protocol.codec import (
     Codec,
     CodecError,
     check_name,
+    exchange_mix_weight,
     probe,
     probe_numel,
     probe_steps,
     probe_text,
     read_probe,
+    sent_codec,
 )
 from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.codes import Code
@@ -184,7 +186,8 @@ class ExchangeResult:
     partner_round: int = -1
     streams: int = 0          # parallel p2p streams the exchange used (0: none opened)
     own_wire: list[torch.Tensor] | None = None   # ok: our tensors as the partner decoded them (None: lossless)
-    codec: str = ""           # ours / the partner's codec of an ok exchange, for logs
+    codec: str = ""           # what we sent / what the partner sent, of an ok exchange, for logs
+    mix_weight: float | None = None   # ok: the weight this exchange's codecs warrant (exchange_mix_weight)
 
     @property
     def ok(self) -> bool:
@@ -331,7 +334,7 @@ class Exchanger:
             # encode now, in a worker thread while we search or wait: an exchange then starts with the payload ready
             # instead of spending the encode on its own clock (a seeded codec waits for the exchange's seed)
             try:
-                task = asyncio.get_running_loop().create_task(self._wire_tensors(offer, 0))
+                task = asyncio.get_running_loop().create_task(self._wire_tensors(offer, 0, None, self.codec))
             except RuntimeError:   # no loop (a test's direct call): the first exchange encodes
                 return
             self._prep.add(task)
@@ -457,8 +460,10 @@ class Exchanger:
                         # it accepted without proving the key: it is no member of our private swarm, it gets
                         # none of our bytes
                         return result(Outcome.rejected, Code.NOT_AUTHORIZED, "partner did not prove the swarm key")
+                    # what we send: our codec, or a modulo peer's fallback for a responder of another codec
+                    send, theirs = sent_codec(self.codec, parse_codec(reply.codec)), parse_codec(reply.codec)
                     steps = None
-                    if own_probe is not None:   # checked with the reply: its size and finite values
+                    if send.modulo:   # both run it; the reply's probe was checked with it: its size, finite values
                         steps = probe_steps(self.codec, self.staging.numels, own_probe,
                                             read_probe(reply.probe, self.staging.numels))
                     if lanes > 1:
@@ -467,12 +472,13 @@ class Exchanger:
                         phase = "opening lanes"
                         channels += await open_lanes(self.p2p, peer_id, self.lane_name, reply.token, lanes)
                 phase = "transfer"
-                tensors, own, code, why = await self._duplex(channels, offer, reply.codec, reply.seed, eng, steps)
+                tensors, own, code, why = await self._duplex(channels, offer, theirs, reply.seed, eng, steps, send)
                 if code != Code.OK:
                     return result(Outcome.rejected, code, why)
                 offer.used = True
                 r = result(Outcome.ok, Code.OK, "", tensors, reply.round)
-                r.own_wire, r.codec = own, f"{self.codec.name}/{reply.codec}"
+                r.own_wire, r.codec = own, f"{send.name}/{theirs.name}"
+                r.mix_weight = exchange_mix_weight(send, theirs)
                 self._remember_rate(partner, r)
                 return r
         except (TimeoutError, WireError, CodecError, *STREAM_ERRORS) as e:
@@ -578,6 +584,10 @@ class Exchanger:
         why = self.declines(peer_id)
         if why:
             return await self._reply(ch, partner, Code.BUSY, why, wanted=wanted)
+        # what each side sends (checked with the request): our codec and the caller's, or a modulo peer's fallback
+        # where the other's codec differs
+        send = sent_codec(self.codec, parse_codec(request.codec))
+        theirs = sent_codec(parse_codec(request.codec), self.codec)
         # accepted: from here until the finally, nobody else can engage us (no await between check and set)
         eng = self._engagement = _Engagement("responder", partner, asyncio.current_task())
         outcome, code, detail, tensors, own = Outcome.failed, None, "", None, None
@@ -588,14 +598,14 @@ class Exchanger:
         try:
             async with asyncio.timeout(self.cfg.exchange_timeout_s):
                 steps, own_probe = None, None
-                if self.codec.modulo:   # our values at the caller's positions (its own were checked with the request)
+                if send.modulo:   # both run it: our values at the caller's positions (its own were checked)
                     own_probe = await in_thread(probe, offer.tensors, request.probe_seed)
                     steps = probe_steps(self.codec, self.staging.numels, own_probe,
                                         read_probe(request.probe, self.staging.numels))
                 reply = ExchangeReply(protocol_version=PROTOCOL_VERSION, code=int(Code.OK),
-                                      fingerprint=self.fingerprint, round=offer.round, codec=self.codec.name,
+                                      fingerprint=self.fingerprint, round=offer.round, codec=send.name,
                                       specs=tuple(self.specs), seed=seed,
-                                      total_bytes=self.staging.payload_bytes(), token=token,
+                                      total_bytes=self.staging.payload_bytes(send), token=token,
                                       auth=self._proof(EXCHANGE_ANSWER, partner, me),
                                       peers=wire_hints(self.hints_out(partner)),
                                       probe=probe_text(own_probe) if own_probe is not None else "")
@@ -605,7 +615,7 @@ class Exchanger:
                     async with asyncio.timeout(self.cfg.accept_timeout_s):
                         channels += await asyncio.gather(*lane_waiters)
                 phase = "transfer"
-                tensors, own, code, detail = await self._duplex(channels, offer, request.codec, seed, eng, steps)
+                tensors, own, code, detail = await self._duplex(channels, offer, theirs, seed, eng, steps, send)
                 outcome = Outcome.ok if code == Code.OK else Outcome.rejected
         except (TimeoutError, WireError, CodecError, *STREAM_ERRORS) as e:
             outcome, code, detail = _failure(e, phase)
@@ -615,7 +625,8 @@ class Exchanger:
         r = ExchangeResult(outcome, partner, code, tensors if outcome is Outcome.ok else None,
                            sum(c.bytes_written for c in channels), sum(c.bytes_read for c in channels),
                            time.monotonic() - t0, detail, "responder", offer.round, request.round, len(channels),
-                           own if outcome is Outcome.ok else None, f"{self.codec.name}/{request.codec}")
+                           own if outcome is Outcome.ok else None, f"{send.name}/{theirs.name}",
+                           exchange_mix_weight(send, theirs))
         if r.ok:
             offer.used = True
             self._remember_rate(partner, r)
@@ -630,11 +641,19 @@ class Exchanger:
         self._rates.pop(partner, None)
         self._rates[partner] = max(r.bytes_sent, r.bytes_received) / max(r.seconds, 1e-6)
 
-    async def _wire_tensors(self, offer: _Offer, seed: int, steps: list[float] | None = None
+    async def _wire_tensors(self, offer: _Offer, seed: int, steps: list[float] | None, send: Codec
                             ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Our payload in our codec and our own wire form, encoded in a worker thread once per offer (a seeded
+        """Our payload in `send` and our own wire form, encoded in a worker thread once per offer (a seeded
         codec: once per exchange, its blocks or its dither drawn from the exchange's seed, a modulo codec's steps
-        from both sides' probes)."""
+        from both sides' probes). `send` other than our codec (a modulo peer's fallback): encoded for this exchange
+        into buffers of its own, which the result keeps (the own wire form) until the daemon's mix."""
+        if send != self.codec:
+            staging = Staging(self.specs, send)
+
+            def fallback():
+                wire = staging.encode(offer.tensors, seed)
+                return wire, staging.own_wire(wire, offer.tensors, seed)
+            return await in_thread(fallback)
         async with self._encode_lock:
             if offer.wire is None or self.codec.seeded:
                 def encode():
@@ -680,23 +699,19 @@ class Exchanger:
                 if not encoder.cancelled():
                     encoder.exception()      # retrieved (raised above, if the transfer was still on)
 
-    async def _duplex(self, channels: list[Channel], offer: _Offer, their_codec: str, seed: int, eng: _Engagement,
-                      steps: list[float] | None = None
+    async def _duplex(self, channels: list[Channel], offer: _Offer, codec: Codec, seed: int, eng: _Engagement,
+                      steps: list[float] | None, send: Codec
                       ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, Code, str]:
-        """Send ours and receive theirs at once over all lanes, then trade verdicts on the control stream.
-        Returns (their tensors decoded, our own wire form, OK, "") only when both sides accepted; otherwise
-        (None, None, the code, why)."""
-        try:
-            codec = parse_codec(their_codec)   # checked with the header; parsed again, from the cache
-        except CodecError as e:
-            return None, None, Code.BAD_DTYPE, str(e)
+        """Send ours (in `send`) and receive theirs (in `codec`) at once over all lanes, then trade verdicts on the
+        control stream. Returns (their tensors decoded, our own wire form, OK, "") only when both sides accepted;
+        otherwise (None, None, the code, why)."""
         # every buffer is sized from OUR specs (validated equal to theirs) and the codec: a partner cannot make us
         # allocate more
         bufs, out = self.staging.receive_buffers(codec)
-        if codec.modulo and self.codec.modulo and steps is not None:
+        if codec.modulo and send.modulo and steps is not None:
             own, bad = None, await self._pipelined(channels, offer, codec, seed, steps, bufs, out)
         else:
-            ours, own = await self._wire_tensors(offer, seed, steps)
+            ours, own = await self._wire_tensors(offer, seed, steps, send)
             fill = own if own is not None else offer.tensors
             ref = ours if codec.modulo else None
             if codec.decodes_ranges:   # each lane's share decoded as it lands, beside the transfer

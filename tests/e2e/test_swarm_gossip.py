@@ -22,6 +22,7 @@ from e2e.swarm_helpers import (
     write_config,
 )
 from gasloc.peer.train.inner import InnerConfig, lr_at
+from gasloc.protocol.codec import parse as parse_codec
 from gasloc.runtime.procs import read_stat
 
 EXCHANGE_TIMEOUT_S = 2.5  # [exchange] exchange_timeout_s in swarm_helpers.PEER_TOML
@@ -110,16 +111,25 @@ def test_four_peers_learn_ride_out_a_frozen_peer_and_admit_a_joiner(harness, boo
     assert first["consensus"] < 1.0, (first, "p3 since its resync:", [(r["outcome"], r["consensus"]) for r in after],
                                       "survivors meanwhile:", spread)
 
-    # 3. a joiner downloads the swarm's current state instead of starting from scratch, then exchanges
+    # 3. a joiner downloads the swarm's current state instead of starting from scratch, then exchanges. It runs
+    #    exchange.codec int8 in a swarm of the default mod4-sd: its partners send it int8 (a modulo code is read only
+    #    against the same code, protocol/codec.py sent_codec), so it pairs like any other
     swarm_val = [val_losses(rounds(h, n))[-1] for n in survivors]
-    start_peers(h, ["p4"], bootstrap, cfg)
+    int8_cfg = h.run_dir / "peer-int8.toml"
+    int8_cfg.write_text(cfg.read_text().replace("[exchange]\n", '[exchange]\ncodec = "int8"\n', 1))
+    start_peers(h, ["p4"], bootstrap, int8_cfg)
     st = start_event(h, "p4")
+    assert st["codec"] == "int8" and start_event(h, "p0")["codec"] == "mod4-sd", st
     assert st["joined_from"] in set(ids.values()), st
     assert st["initial_loss"] < FRESH_LOSS - 0.5, st
     assert abs(st["initial_loss"] - sum(swarm_val) / len(swarm_val)) < 0.5, (st, swarm_val)
     assert st["round"] > 0, st  # it took over the donor's round count
     h.wait_until(all_have(h, ["p4"], ok_rounds=1, partners=1), 90, "the joiner's first ok exchange",
                  alive=("p4",))
+    # both directions carried int8: at least its payload each way (a mod4-sd exchange is half that)
+    int8_bytes = parse_codec("int8").payload_bytes([st["num_params"]])
+    ok4 = [r for r in rounds(h, "p4") if r["outcome"] == "ok"]
+    assert all(r["bytes_sent"] >= int8_bytes and r["bytes_received"] >= int8_bytes for r in ok4), ok4
     first = rounds(h, "p4")[0]  # its lr: warmed up on its own 30 steps, decayed at the round it took over
     assert first["total_inner_steps"] == 30 and first["round"] == st["round"] + 1, first
     assert first["lr"] == pytest.approx(lr_at(29, INNER, 30 * first["round"] - 1), rel=1e-12), first

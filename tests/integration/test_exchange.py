@@ -180,18 +180,57 @@ def test_modulo_codec_decodes_the_partner_against_our_own_tensors(codec):
                 assert after < (0.8 if not c.sparse else 0.95) * before
             want = c.payload_bytes([math.prod(s) for s in SHAPES])
             assert want < res.bytes_sent < want + 4096 * 8
-            # a partner in another codec cannot be decoded against our own codes: refused before any payload
+            # a partner in another codec cannot be decoded against our own codes: we send it int8 instead
+            # (test_a_modulo_peer_and_a_partner_of_another_codec_both_send_int8 checks that exchange's numbers)
             ec = exchanger(a, codec="int8")
             ec.offer(ta, 0)
             eb.offer(tb, 1)
             res = await ec.exchange(b.peer_id)
-            assert res.code == Code.BAD_DTYPE and "modulo" in res.detail, res
+            inc = await eb.wait_incoming(5)
+            assert res.ok and inc.ok and res.codec == inc.codec == "int8/int8", (res.detail, inc and inc.detail)
             # a probe that is not base64, of the wrong size, or not finite: refused before any payload
             size = c.payload_bytes(NUMELS)
             for bad in ("!!", probe_text(torch.zeros(3)), probe_text(torch.full((probe_numel(NUMELS),), math.nan))):
                 reply = await raw_request(a, b.peer_id, request_frame(codec=codec, total_bytes=size, probe=bad))
                 assert Code(reply.code) == Code.BAD_HEADER and "probe" in reply.message, reply
             assert await eb.wait_incoming(0) is None
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("caller,callee", [("mod4-sd", "int8"), ("int8", "mod4-sd"), ("mod4-sd", "float32"),
+                                           ("mod3-sd", "mod4-sd")])
+def test_a_modulo_peer_and_a_partner_of_another_codec_both_send_int8(caller, callee):
+    """A modulo code is decoded against our own codes of the same kind, so with a partner of any other codec a
+    modulo peer sends int8 (protocol/codec.py sent_codec; the other side keeps its own): the exchange succeeds both
+    ways, the bytes are what those codecs make, each side's own wire form is what the partner decoded, both report
+    the pair's mean as the mix weight, and the symmetric mix keeps the pair's mean."""
+    async def main():
+        async with p2p_nodes(2) as (a, b):
+            ea, eb = exchanger(a, codec=caller, min_stream_bytes=1 << 12), exchanger(b, codec=callee)
+            await ea.start(), await eb.start()
+            ta = tensors(1)
+            tb = [t + 0.01 * n for t, n in zip(ta, tensors(2))]
+            ea.offer(ta, 0), eb.offer(tb, 0)
+            res = await ea.exchange(b.peer_id)
+            inc = await eb.wait_incoming(5)
+            assert res.ok and inc.ok, (res.detail, inc and inc.detail)
+            send_a = "int8" if parse_codec(caller).modulo else caller
+            send_b = "int8" if parse_codec(callee).modulo else callee
+            assert (res.codec, inc.codec) == (f"{send_a}/{send_b}", f"{send_b}/{send_a}")
+            assert res.mix_weight is None and inc.mix_weight is None
+            want = parse_codec(send_a).payload_bytes(NUMELS)
+            assert want < res.bytes_sent < want + 4096 * 8
+            for got, sent, codec in ((res.tensors, tb, send_b), (inc.tensors, ta, send_a)):
+                c = parse_codec(codec)
+                for x, y in zip(got, sent):   # within a step of each block's scale (a lossless one exactly)
+                    step = y.abs().max() / ((1 << (c.bits - 1)) - 1) if c.block else 0.0
+                    assert ((x - y).abs() <= step * 1.01 + 1e-7).all()
+            assert (res.own_wire is None) == (send_a == "float32") and (inc.own_wire is None) == (send_b == "float32")
+            za = mix_pair_([t.clone() for t in res.tensors], ta, res.own_wire, 0.5)
+            zb = mix_pair_([t.clone() for t in inc.tensors], tb, inc.own_wire, 0.5)
+            for x, y, p, q in zip(za, zb, ta, tb):
+                assert torch.allclose(x + y, p + q, atol=1e-6, rtol=0)
     arun(main())
 
 

@@ -341,12 +341,15 @@ def test_any_modulo_payload_of_the_right_size_decodes_within_the_range(name, num
     assert float((out - own).abs().max()) <= ((1 << (c.bits - 1)) - 1) * 0.01 * (1 + 1e-5) + 1e-6
 
 
-def test_doctor_names_the_codec_its_bits_and_that_a_modulo_codec_pairs_only_with_itself(tmp_path):
+def test_doctor_names_the_codec_its_bits_and_what_it_sends_a_partner_of_another_codec(tmp_path):
     from gasloc.cli.doctor_checks import check_codec
     cfg = tmp_path / "peer.toml"
     cfg.write_text('[model]\npreset = "tiny"\n[exchange]\ncodec = "mod4"\n')
     c = check_codec(cfg)
-    assert c.status == "OK" and "mod4: 4.00 bits a parameter" in c.detail and "only with peers that send mod4" in c.detail
+    assert c.status == "OK" and "mod4: 4.00 bits a parameter" in c.detail
+    assert "with a partner of another codec it sends int8 instead" in c.detail
+    cfg.write_text('[model]\npreset = "tiny"\n[exchange]\ncodec = "int8-p10"\n')
+    assert "only with peers that send int8-p10" in check_codec(cfg).detail
     cfg.write_text('[exchange]\ncodec = "mod5"\n')
     c = check_codec(cfg)
     assert c.status == "FAIL" and "mod5" in c.detail

@@ -15,6 +15,8 @@ from gasloc.peer.swarm.round_report import RoundExchange
 from gasloc.peer.train.data import build_data
 from gasloc.peer.train.model import build_model
 from gasloc.peer.train.outer import make_outer, mix_applied_once
+from gasloc.protocol.codec import exchange_mix_weight
+from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.decision import MixJudge
 from gasloc.protocol.guard import TrustBook
 from gasloc.protocol.partners import Backoff
@@ -128,14 +130,20 @@ def test_mix_applied_once_is_kappa_zero_for_one_apply():
     assert runs[True] == pytest.approx(1.1 + 0.7 * 0.1)
 
 
-@pytest.mark.parametrize("codec,configured,pull", [("mod4-sd", None, 0.4), ("int8", None, 0.5), ("mod4-sd", 0.3, 0.3)])
-def test_the_daemon_mixes_with_the_codecs_own_weight_unless_one_is_configured(codec, configured, pull):
-    # mod4-sd (the default) pulls by its own 0.4 (protocol/codec.py Codec.mix_weight, docs/codecs.md G), the other
-    # codecs by the pair's mean; a configured outer.mix_weight wins (protocol/averaging.py pair_weight)
+@pytest.mark.parametrize("codec,sent,received,configured,pull", [
+    ("mod4-sd", "mod4-sd", "mod4-sd", None, 0.4), ("int8", "int8", "int8", None, 0.5),
+    ("mod4-sd", "int8", "int8", None, 0.5), ("mod4-sd", "int8", "float32", None, 0.5),
+    ("mod4-sd", "mod4-sd", "mod4-sd", 0.3, 0.3)])
+def test_the_daemon_mixes_with_the_exchanges_weight_unless_one_is_configured(codec, sent, received, configured, pull):
+    # mod4-sd (the default) pulls by its own 0.4 (protocol/codec.py Codec.mix_weight, docs/codecs.md G) where both
+    # sides sent it; the other codecs, and a modulo peer's fallback for a partner of another codec, by the pair's
+    # mean, whatever our configured codec: both sides must pull alike; a configured outer.mix_weight wins
+    # (protocol/averaging.py pair_weight)
     p = _peer(exchange={"codec": codec}, outer={"mix_weight": configured})
     own = [t.detach().clone() for t in p.params]
     theirs = _near(own, 3, 0.005)
     ex = _ex("a", theirs)
+    ex.mix_weight = exchange_mix_weight(parse_codec(sent), parse_codec(received))   # as the exchanger reports it
     mixed, _ = p._mixed(own, ex)
     assert mixed is not None and ex.guard["guard"] == "accept", ex.guard
     moved = sum(float(((m - o) * (t - o)).sum()) for m, o, t in zip(mixed, own, theirs))

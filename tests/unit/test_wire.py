@@ -3,7 +3,9 @@ import json
 import struct
 
 import pytest
+import torch
 
+from gasloc.protocol.codec import exchange_mix_weight, parse, probe_numel, probe_text, sent_codec
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     PROTOCOL_VERSION,
@@ -140,6 +142,47 @@ def test_check_reply():
     assert check_reply(future, expected_specs=SPECS, fingerprint=FP, max_bytes=CAP)[0] == Code.BAD_HEADER
     bad = ok.model_copy(update={"specs": tuple(SPECS[::-1])})
     assert check_reply(bad, expected_specs=SPECS, fingerprint=FP, max_bytes=CAP)[0] == Code.BAD_SHAPE
+
+
+def test_codecs_across_the_pair_a_modulo_peer_falls_back_and_a_sparse_one_needs_its_own():
+    """What each side sends follows from the two codec names (protocol/codec.py sent_codec): a request in any dense
+    codec is accepted by a modulo responder (which sends int8 back), a request in a modulo codec by a responder of
+    any other dense one; a sparse codec still needs the same on the other side; a reply naming a modulo codec that
+    is not ours is refused (an honest responder falls back, so it announces int8)."""
+    numels = [s.numel for s in SPECS]
+    mod, int8, sparse = parse("mod4-sd"), parse("int8"), parse("int8-p10")
+    big = 1 << 20    # blocks of 64 values: these tiny tensors' int8 payload is larger than their fp32 bytes
+
+    def req(name):
+        c = parse(name)
+        return request(codec=name, total_bytes=c.payload_bytes(numels),
+                       probe=probe_text(torch.zeros(probe_numel(numels))) if c.modulo else "")
+
+    assert check(req("int8"), codec=mod, max_bytes=big) == Code.OK
+    assert check(req("float32"), codec=mod, max_bytes=big) == Code.OK
+    assert check(req("mod4-sd"), codec=int8, max_bytes=big) == Code.OK
+    assert check(req("mod3-sd"), codec=mod, max_bytes=big) == Code.OK                   # both fall back
+    assert check(req("int8-p10"), codec=mod, max_bytes=big) == Code.BAD_DTYPE            # sparse against our fallback
+    assert check(req("mod4-sd"), codec=sparse, max_bytes=big) == Code.BAD_DTYPE
+    assert check(req("int8-p10"), codec=sparse, max_bytes=big) == Code.OK
+    assert check(req("mod4-p25"), codec=int8, max_bytes=big) == Code.OK                  # a sparse modulo one falls back dense
+
+    def reply(name):
+        c = parse(name)
+        return ExchangeReply(protocol_version=1, code=0, fingerprint=FP, codec=name, specs=tuple(SPECS),
+                             total_bytes=c.payload_bytes(numels),
+                             probe=probe_text(torch.zeros(probe_numel(numels))) if c.modulo else "")
+
+    def chk(name, ours):
+        return check_reply(reply(name), expected_specs=SPECS, fingerprint=FP, max_bytes=big, codec=ours)[0]
+
+    assert chk("int8", mod) == Code.OK and chk("mod4-sd", mod) == Code.OK and chk("mod4-sd", int8) == Code.BAD_DTYPE
+    assert chk("mod3-sd", mod) == Code.BAD_DTYPE and chk("int8", sparse) == Code.BAD_DTYPE
+    # what each sends, both sides alike, and the weight they mix at: the codec's own only where both sent it
+    assert sent_codec(mod, int8) == int8 and sent_codec(int8, mod) == int8 and sent_codec(mod, mod) == mod
+    assert sent_codec(mod, parse("mod3-sd")) == int8 and sent_codec(parse("float32"), mod).name == "float32"
+    assert exchange_mix_weight(mod, mod) == 0.4
+    assert exchange_mix_weight(int8, int8) is None and exchange_mix_weight(int8, parse("float32")) is None
 
 
 def test_check_state_reply():

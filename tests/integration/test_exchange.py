@@ -137,6 +137,20 @@ def test_exchange_codecs_decode_and_mix_keeps_the_pair_mean(codec_a, codec_b):
     arun(main())
 
 
+async def _close_pair_exchange(a, b, caller: str, callee: str):
+    """One exchange, `a` (multi-lane) calling `b`, of two model points 1 % of a weight apart; both sides' results,
+    checked ok."""
+    ea, eb = exchanger(a, codec=caller, min_stream_bytes=1 << 12), exchanger(b, codec=callee)
+    await ea.start(), await eb.start()
+    ta = tensors(1)
+    tb = [t + 0.01 * n for t, n in zip(ta, tensors(2))]
+    ea.offer(ta, 0), eb.offer(tb, 0)
+    res = await ea.exchange(b.peer_id)
+    inc = await eb.wait_incoming(5)
+    assert res.ok and inc.ok, (res.detail, inc and inc.detail)
+    return ea, eb, ta, tb, res, inc
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("codec", ["mod4", "mod3-sd", "mod4-p25"])
 def test_modulo_codec_decodes_the_partner_against_our_own_tensors(codec):
@@ -147,14 +161,7 @@ def test_modulo_codec_decodes_the_partner_against_our_own_tensors(codec):
     a value."""
     async def main():
         async with p2p_nodes(2) as (a, b):
-            ea, eb = exchanger(a, codec=codec, min_stream_bytes=1 << 12), exchanger(b, codec=codec)
-            await ea.start(), await eb.start()
-            ta = tensors(1)
-            tb = [t + 0.01 * n for t, n in zip(ta, tensors(2))]
-            ea.offer(ta, 0), eb.offer(tb, 0)
-            res = await ea.exchange(b.peer_id)
-            inc = await eb.wait_incoming(5)
-            assert res.ok and inc.ok, (res.detail, inc and inc.detail)
+            ea, eb, ta, tb, res, inc = await _close_pair_exchange(a, b, codec, codec)
             assert res.own_wire is None and inc.own_wire is None
             c = parse_codec(codec)
             for got, sent, own in ((res.tensors, tb, ta), (inc.tensors, ta, tb)):
@@ -207,14 +214,7 @@ def test_a_modulo_peer_and_a_partner_of_another_codec_both_send_int8(caller, cal
     the pair's mean as the mix weight, and the symmetric mix keeps the pair's mean."""
     async def main():
         async with p2p_nodes(2) as (a, b):
-            ea, eb = exchanger(a, codec=caller, min_stream_bytes=1 << 12), exchanger(b, codec=callee)
-            await ea.start(), await eb.start()
-            ta = tensors(1)
-            tb = [t + 0.01 * n for t, n in zip(ta, tensors(2))]
-            ea.offer(ta, 0), eb.offer(tb, 0)
-            res = await ea.exchange(b.peer_id)
-            inc = await eb.wait_incoming(5)
-            assert res.ok and inc.ok, (res.detail, inc and inc.detail)
+            _, _, ta, tb, res, inc = await _close_pair_exchange(a, b, caller, callee)
             send_a = "int8" if parse_codec(caller).modulo else caller
             send_b = "int8" if parse_codec(callee).modulo else callee
             assert (res.codec, inc.codec) == (f"{send_a}/{send_b}", f"{send_b}/{send_a}")

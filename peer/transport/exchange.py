@@ -118,8 +118,8 @@ class ExchangeConfig(BaseModel):
                        "(protocol/codec.py, docs/codecs.md): float32 (lossless), float16, bfloat16, or "
                        "int<bits>[-b<block>][-p<pct>][-sr|-rn|-sd] (blockwise; -p: seeded sparse, partners must use the "
                        "same), or mod<bits>[-p<pct>][-sd] (the difference to the partner, modulo 2^bits, decoded "
-                       "against our own tensors; partners must use the same); partners may send in another "
-                       "codec, the state download is always lossless")
+                       "against our own tensors; to a partner of another codec we send int8); partners may send "
+                       "in another codec, the state download is always lossless")
     max_message_bytes: int | None = Field(None, gt=0, description="cap on the payload a partner may declare; "
                                           "default: our own tensors at float32, the most a compatible peer sends")
     chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="bytes per write before waiting for the "

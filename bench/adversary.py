@@ -221,25 +221,19 @@ def echo_exchanger_class():
     from gasloc.peer.transport import exchange as ex
 
     class EchoExchanger(ex.Exchanger):
-        async def _duplex(self, channels, offer, their_codec, seed, eng, steps=None):
-            return await echo_duplex(self, channels, offer, their_codec, seed, eng, steps)
+        async def _duplex(self, channels, offer, codec, seed, eng, steps, send):
+            return await echo_duplex(self, channels, offer, codec, seed, eng, steps)
 
     return EchoExchanger
 
 
-async def echo_duplex(self, channels, offer, their_codec, seed, eng, steps=None):
-    """Exchanger._duplex with the order changed: receive all of theirs, then send those bytes back as ours (in
-    their codec: with the swarm's one codec, also ours). What we mix ourselves is theirs, decoded."""
+async def echo_duplex(self, channels, offer, codec, seed, eng, steps=None):
+    """Exchanger._duplex with the order changed: receive all of theirs (in `codec`), then send those bytes back as
+    ours (with the swarm's one codec, also ours). What we mix ourselves is theirs, decoded."""
     from gasloc.peer.transport.lanes import move
     from gasloc.peer.transport.tensor_io import in_thread
-    from gasloc.protocol.codec import CodecError
-    from gasloc.protocol.codec import parse as parse_codec
     from gasloc.protocol.codes import Code
 
-    try:
-        codec = parse_codec(their_codec)
-    except CodecError as e:
-        return None, None, Code.BAD_DTYPE, str(e)
     bufs, out = self.staging.receive_buffers(codec)
     nothing = [b.new_empty(0) for b in bufs]
     await move(channels, nothing, bufs, self.cfg.chunk_bytes)            # receive only

@@ -4,7 +4,9 @@ import math
 import os
 import signal
 import struct
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,10 +47,10 @@ def tensors(seed, shapes=SHAPES):
 
 
 def exchanger(p2p, shapes=SHAPES, members=None, declines=lambda peer: None, swarm_key=None, hints_out=None,
-              members_out=None, members_in=None, **cfg):
+              members_out=None, members_in=None, cls=Exchanger, **cfg):
     cfg.setdefault("exchange_timeout_s", 10.0)
     cfg.setdefault("codec", "float32")   # these tests check the transport to the bit; the codecs' test names its own
-    return Exchanger(ExchangeConfig(**cfg), p2p, specs=[(s, torch.float32) for s in shapes], fingerprint=FP,
+    return cls(ExchangeConfig(**cfg), p2p, specs=[(s, torch.float32) for s in shapes], fingerprint=FP,
                      is_member=(lambda peer: True) if members is None else (lambda peer: str(peer) in members),
                      namespace=NS, declines=declines, swarm_key=swarm_key, hints_out=hints_out,
                      members_out=members_out, members_in=members_in)
@@ -231,6 +233,30 @@ def test_a_modulo_peer_and_a_partner_of_another_codec_both_send_int8(caller, cal
             zb = mix_pair_([t.clone() for t in inc.tensors], tb, inc.own_wire, 0.5)
             for x, y, p, q in zip(za, zb, ta, tb):
                 assert torch.allclose(x + y, p + q, atol=1e-6, rtol=0)
+    arun(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", ["float32", "mod4-sd", "int8"])
+def test_the_echo_adversary_sends_the_partners_own_payload_back(codec):
+    """bench/adversary.py's echo volunteer (it reads the partner's whole payload, then sends those very bytes back)
+    overrides the exchange's transfer step: it must keep up with its signature, or the adversary bench and the
+    hostile-volunteer e2e test would measure an echo that never echoes. The honest side gets its own tensors back
+    (a modulo code: the difference to its own codes is 0)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from adversary import echo_exchanger_class
+
+    async def main():
+        async with p2p_nodes(2) as (a, b):
+            honest = exchanger(a, codec=codec, min_stream_bytes=1 << 12)
+            echo = exchanger(b, codec=codec, cls=echo_exchanger_class())
+            await honest.start(), await echo.start()
+            ta = tensors(1)
+            honest.offer(ta, 0), echo.offer(tensors(2), 0)
+            res = await honest.exchange(b.peer_id)
+            assert res.ok, res.detail
+            want = ta if res.own_wire is None else res.own_wire   # int8: our own payload, decoded
+            assert all(torch.equal(x, y) for x, y in zip(res.tensors, want))
     arun(main())
 
 

@@ -83,12 +83,12 @@ class Landing:
             else:
                 self._left[i] -= b - a
                 header = self._header[i]
-                if a < header:                     # scales landed: the code ranges that waited for them decode now
+                if a < header:                     # a share of the scales: counted; its codes, if any, follow
                     self._head[i] -= min(b, header) - a
                     a = header
                 if a < b:
                     self._waiting[i].append((a, b))
-                if self._head[i] == 0:
+                if self._head[i] == 0:             # every scale is in: all codes that landed so far decode
                     for lo, hi in self._waiting[i]:
                         self.staging.decode_range(self.codec, self.bufs[i], self.out[i], lo, hi, *self._args(i))
                     self._waiting[i].clear()

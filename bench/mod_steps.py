@@ -3,6 +3,7 @@
     python bench/mod_steps.py --jobs 2 --json mod_steps.json                      # every rule, seeds 0 1 2
     python bench/mod_steps.py --rules fp32,block --seeds 0 --rounds 2 --workers 4  # a smoke run
     python bench/mod_steps.py --rules as-built --mix-weight 0.45 --jobs 2           # mod4-sd at another weight
+    python bench/mod_steps.py --rules as-built --clock fp32 --jobs 2                # with the fp32 wire's partners
 
 The modulo rules mix with mod4-sd's own weight (0.4, protocol/codec.py; invocation E ran before it, at the pair's
 mean 0.5: `--mix-weight 0.5` runs E again), fp32 with the pair's mean, its best (docs/codecs.md invocation G).
@@ -25,6 +26,12 @@ wire run in the same invocation:
                 could send), scaled so that the tensor's RMS is the pair's actual difference: an implementable
                 per-block rule, if the movement predicted the difference
 
+`--clock fp32` charges every run the fp32 wire's 4 bytes a parameter (clock.charge_codec false,
+clock.bytes_per_param 4) instead of its codec's bytes: a modulo rule's exchanges then take as long as fp32's, so its
+run meets the same partners at the same times as the fp32 run of its seed, and the paired difference is the codec's
+rounding alone. By default (`codec`) each codec's own bytes are charged, as the suite does: a cheaper exchange ends
+earlier, the live schedule's partners differ from fp32's, and the pairing mixes the two effects.
+
 Every rule but fp32 and as-built replaces the simulator's modulo exchange (sim/trainer.py `_modulo_wire`) with the
 same arithmetic written here: both sides round y / step with the exchange's shared dither, send the integers modulo
 2^b and decode y_i + step * d, the pair's mean exact (d read as -d by the partner). It is an experiment, not a
@@ -41,6 +48,8 @@ import torch
 
 RULES = ("fp32", "as-built", "band1", "tensor", "block", "movement")
 BITS, BLOCK, RANGE_RMS = 4, 64, 8.0
+CLOCKS = ("codec", "fp32")
+FP32_BYTES = 4.0   # what the fp32 wire's codec ("float32") charges a parameter: 32 bits, no header
 HALF = 1 << (BITS - 1)
 
 
@@ -117,40 +126,100 @@ def _patched_modulo_wire(rule: str):
     return _modulo_wire
 
 
-def run_one(rule: str, seed: int, overrides: dict, mix_weight: float | None = None) -> dict:
+def clock_overrides(clock: str) -> dict:
+    """The clock settings of `--clock`: none for `codec` (each run charged its codec's bytes), the fp32 wire's bytes
+    whatever the codec for `fp32` (set on the fp32 run too, where they change nothing: float32 charges 4 bytes)."""
+    return {"clock.charge_codec": False, "clock.bytes_per_param": FP32_BYTES} if clock == "fp32" else {}
+
+
+def simulate(rule: str, seed: int, overrides: dict, *, modulo_wire=None, mix_weight: float | None = None,
+             clock: str = "codec") -> dict:
+    """One run of the codec suite's fp32 setup at `seed`, a row of the paired table: the fp32 wire for rule
+    "fp32", else mod4-sd with its `_modulo_wire` replaced by `modulo_wire` where given (the exchange of an
+    experiment; the codec's own probe steps where not)."""
     from gasloc.sim.runner import run
     from gasloc.sim.suite import SUITES, RunSpec, _config
     from gasloc.sim.trainer import SimTrainer
 
     suite = SUITES["codecs"]
     b = next(r.overrides for r in suite.runs if r.overrides.get("codec") == "float32")
-    spec = {**b, **overrides, "seed": seed, "codec": "float32" if rule == "fp32" else f"mod{BITS}-sd"}
+    spec = {**b, **overrides, **clock_overrides(clock), "seed": seed,
+            "codec": "float32" if rule == "fp32" else f"mod{BITS}-sd"}
     if mix_weight is not None and rule != "fp32":   # fp32 keeps the pair's mean, its best (docs/codecs.md G)
         spec["outer.mix_weight"] = mix_weight
     original = SimTrainer._modulo_wire
-    if rule not in ("fp32", "as-built"):
-        SimTrainer._modulo_wire = _patched_modulo_wire(rule)
+    if modulo_wire is not None and rule != "fp32":
+        SimTrainer._modulo_wire = modulo_wire
     try:
         r = run(_config(suite, RunSpec(f"{rule}-s{seed}", spec)))
     finally:
         SimTrainer._modulo_wire = original
     return {"rule": rule, "seed": seed, "final": r["final_val_loss"], "consensus": r["evals"][-1].get("consensus"),
-            "mix_weight": mix_weight}
+            "mix_weight": mix_weight, "clock": clock, "sim_time_s": r["final_sim_time_s"]}
 
 
-def table(rows: list[dict]) -> str:
+def run_one(rule: str, seed: int, overrides: dict, mix_weight: float | None = None, clock: str = "codec") -> dict:
+    wire = _patched_modulo_wire(rule) if rule not in ("fp32", "as-built") else None
+    return simulate(rule, seed, overrides, modulo_wire=wire, mix_weight=mix_weight, clock=clock)
+
+
+def paired(rows: list[dict]) -> dict[str, list[float]]:
+    """Each rule's final loss against the fp32 run of the same seed, in % by seed (seeds without an fp32 run left
+    out; fp32 itself has none)."""
     base = {r["seed"]: r["final"] for r in rows if r["rule"] == "fp32"}
-    out = ["| rule | final val loss by seed | against fp32, paired | mean | consensus at the end |",
-           "|---|---|---|---|---|"]
+    out = {}
     for rule in dict.fromkeys(r["rule"] for r in rows):
         rs = sorted((r for r in rows if r["rule"] == rule), key=lambda r: r["seed"])
-        rel = [100 * (r["final"] / base[r["seed"]] - 1) for r in rs if r["seed"] in base] if rule != "fp32" else []
+        out[rule] = [100 * (r["final"] / base[r["seed"]] - 1) for r in rs if r["seed"] in base] \
+            if rule != "fp32" else []
+    return out
+
+
+def table(rows: list[dict], extra: dict[str, dict[str, str]] | None = None) -> str:
+    """The paired table; `extra`: more columns, name -> rule -> cell."""
+    extra = extra or {}
+    rel = paired(rows)
+    out = ["| rule | final val loss by seed | against fp32, paired | mean | consensus at the end |"
+           + "".join(f" {name} |" for name in extra),
+           "|---|---|---|---|---|" + "---|" * len(extra)]
+    for rule in rel:
+        rs = sorted((r for r in rows if r["rule"] == rule), key=lambda r: r["seed"])
         finals = ", ".join(f"{r['final']:.4f}" for r in rs)
-        paired = ", ".join(f"{x:+.2f} %" for x in rel)
-        mean = f"{statistics.mean(rel):+.2f} %" if rel else ""
+        by_seed = ", ".join(f"{x:+.2f} %" for x in rel[rule])
+        mean = f"{statistics.mean(rel[rule]):+.2f} %" if rel[rule] else ""
         consensus = ", ".join(f"{r['consensus']:.3f}" for r in rs)
-        out.append(f"| {rule} | {finals} | {paired} | {mean} | {consensus} |")
+        out.append(f"| {rule} | {finals} | {by_seed} | {mean} | {consensus} |"
+                   + "".join(f" {col.get(rule, '')} |" for col in extra.values()))
     return "\n".join(out)
+
+
+def seeds_and_overrides(seeds: str, rounds: int | None, workers: int | None) -> tuple[list[int], dict]:
+    """`--seeds` as integers, and the smoke-run overrides that are set."""
+    try:
+        seed_list = [int(s) for s in seeds.split(",") if s.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{seeds!r} is not a comma-separated list of integers",
+                                 param_hint="--seeds") from None
+    return seed_list, {k: v for k, v in (("rounds", rounds), ("workers", workers)) if v is not None}
+
+
+def paired_cells(run_cell, rules: list[str], seeds: list[int], jobs: int, *args) -> list[dict]:
+    """`run_cell(rule, seed, *args)` for every rule and seed, `jobs` processes at once, fp32 added first where
+    missing: every rule is read against the lossless wire of the same invocation. `run_cell` must be a module-level
+    function (the pool pickles it by name)."""
+    rules = rules if "fp32" in rules else ["fp32", *rules]
+    tasks = [(rule, s) for s in seeds for rule in rules]
+    with ProcessPoolExecutor(jobs) as pool:
+        rows = list(pool.map(run_cell, *zip(*tasks), *([a] * len(tasks) for a in args)))
+    for r in rows:
+        click.echo(f"{r['rule']} seed {r['seed']}: final {r['final']:.4f} consensus {r['consensus']:.3f}", err=True)
+    return rows
+
+
+def clock_option(f):
+    return click.option("--clock", type=click.Choice(CLOCKS), default="codec", show_default=True,
+                        help="what the virtual clock charges an exchange: each run's codec's bytes, or fp32's 4 bytes "
+                             "a parameter whatever the codec (every run then meets the fp32 run's partners)")(f)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -162,30 +231,20 @@ def table(rows: list[dict]) -> str:
 @click.option("--mix-weight", type=click.FloatRange(0, 0.5, min_open=True), default=None,
               help="the modulo rules' weight per partner (default: the codec's own, 0.4 for mod4-sd; E ran at 0.5); "
                    "fp32 keeps the pair's mean")
+@clock_option
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def main(rules: str, seeds: str, jobs: int, rounds: int | None, workers: int | None, mix_weight: float | None,
-         json_path: str | None) -> None:
+         clock: str, json_path: str | None) -> None:
     chosen = [r.strip() for r in rules.split(",") if r.strip()]
     if bad := [r for r in chosen if r not in RULES]:
         raise click.BadParameter(f"unknown rule(s) {', '.join(bad)}; choose from {', '.join(RULES)}",
                                  param_hint="--rules")
-    try:
-        seed_list = [int(s) for s in seeds.split(",") if s.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{seeds!r} is not a comma-separated list of integers",
-                                 param_hint="--seeds") from None
-    if "fp32" not in chosen:
-        chosen.insert(0, "fp32")   # every rule is read against the lossless wire of the same invocation
-    overrides = {k: v for k, v in (("rounds", rounds), ("workers", workers)) if v is not None}
-    tasks = [(rule, s) for s in seed_list for rule in chosen]
-    with ProcessPoolExecutor(jobs) as pool:
-        rows = list(pool.map(run_one, *zip(*tasks), [overrides] * len(tasks), [mix_weight] * len(tasks)))
-    for r in rows:
-        click.echo(f"{r['rule']} seed {r['seed']}: final {r['final']:.4f} consensus {r['consensus']:.3f}", err=True)
+    seed_list, overrides = seeds_and_overrides(seeds, rounds, workers)
+    rows = paired_cells(run_one, chosen, seed_list, jobs, overrides, mix_weight, clock)
     click.echo(table(rows))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"rows": rows, "overrides": overrides, "mix_weight": mix_weight}, f, indent=1)
+            json.dump({"rows": rows, "overrides": overrides, "mix_weight": mix_weight, "clock": clock}, f, indent=1)
 
 
 if __name__ == "__main__":

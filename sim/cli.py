@@ -107,6 +107,10 @@ def _opt(*names, **kw):
 @_opt("--seconds-per-step", type=float, help="Virtual seconds per inner step. [default: 0.3]")
 @_opt("--bandwidth-mbps", type=float, help="Base link bandwidth, Mbit/s. [default: 1000]")
 @_opt("--match-timeout-s", type=float, help="Max wait for a partner before a solo round.")
+@click.option("--charge-codec/--no-charge-codec", default=None,
+              help="Charge the clock the codec's bytes; --no-charge-codec: clock.bytes_per_param whatever the codec "
+              "(with bytes_per_param 4, the fp32 wire's partners: the codec's rounding apart from its bytes). "
+              "[default: on]")
 @_opt("--threads", type=int, help="torch CPU threads. [default: 1]")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the result here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
@@ -129,7 +133,7 @@ def sim(ctx: click.Context, config_file, print_config, json_out, plot_out, **opt
             "warmup_steps": "inner.warmup_steps", "batch_size": "data.batch_size", "seq_len": "model.seq_len",
             "time_budget_s": "inner.time_budget_s", "val_batches": "data.val_batches",
             "seconds_per_step": "clock.seconds_per_step", "bandwidth_mbps": "clock.bandwidth_mbps",
-            "match_timeout_s": "clock.match_timeout_s", "slower_link_ratio": "search.slower_link_ratio"}
+            "match_timeout_s": "clock.match_timeout_s", "charge_codec": "clock.charge_codec", "slower_link_ratio": "search.slower_link_ratio"}
     try:
         cfg = resolve(SimConfig, config_file, {keys.get(k, k): v for k, v in opts.items()})
     except ConfigError as e:

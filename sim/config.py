@@ -27,6 +27,10 @@ class ClockConfig(BaseModel):
     latency_ms: float = Field(25.0, ge=0, description="one-way access-link latency, ms (base value); a pair's "
                               "link has the sum of both")
     bytes_per_param: float = Field(2.0, gt=0, description="bytes per communicated number on the wire (2: fp16)")
+    charge_codec: bool = Field(True, description="with a codec set: charge its payload's bytes; false: "
+                               "bytes_per_param a parameter whatever the codec, so that a codec's run keeps the "
+                               "event schedule (the partners) of a run charged that many bytes (4: the fp32 wire's) "
+                               "and a comparison paired by seed sees the codec's rounding apart from its bytes")
     nominal_params: int | None = Field(100_000_000, ge=1, description="model size the message bytes are scaled "
                                        "to (the simulated model is tiny; the clock charges as if it had this many "
                                        "parameters); unset: the simulated model's own size")
@@ -140,8 +144,8 @@ class SimConfig(BaseModel):
     search: SearchConfig = Field(default_factory=SearchConfig)
     codec: str | None = Field(None, description="wire codec of the pairwise exchange, as a live peer's "
                               "exchange.codec (protocol/codec.py): each worker mixes the wire form of both sides "
-                              "and the clock charges the codec's bytes; unset: the tensors as they are, charged "
-                              "clock.bytes_per_param a parameter")
+                              "and the clock charges the codec's bytes (unless clock.charge_codec is false); unset: the "
+                              "tensors as they are, charged clock.bytes_per_param a parameter")
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:

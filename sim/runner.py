@@ -61,9 +61,12 @@ def _run(cfg: SimConfig, progress: Progress | None) -> dict:
     else:
         trainer = SimTrainer(cfg)
     scale = cfg.clock.nominal_params / trainer.num_params if cfg.clock.nominal_params else 1.0
-    # a codec's bytes (scales and padding of the simulated model's tensors included), else the clock's figure
+    # a codec's bytes (scales and padding of the simulated model's tensors included), else the clock's figure; the
+    # clock's figure also where a codec's bytes are not charged (charge_codec false): its run then keeps the event
+    # schedule, partners included, of a lossless run charged that figure, and a paired comparison sees the codec's
+    # rounding alone
     bytes_per_param = (codec_parse(cfg.codec).bits_per_param([p.numel() for p in trainer.params[0]]) / 8
-                        if cfg.codec is not None else cfg.clock.bytes_per_param)
+                        if cfg.codec is not None and cfg.clock.charge_codec else cfg.clock.bytes_per_param)
     edges = graph_edges(cfg.topology, k)
     weights = bandwidth_weights(k, [x.bandwidth_bps for x in links], edges) if cfg.bandwidth_weighted else None
     sc = cfg.search

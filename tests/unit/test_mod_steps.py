@@ -3,6 +3,7 @@ mean for every rule, decodes the partner within a step where the pair is within 
 invocation through the simulator with the table it documents."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,18 @@ def test_the_cli_runs_a_smoke_invocation_and_refuses_an_unknown_rule():
                            capture_output=True, text=True, timeout=60)   # more than the pair's mean: no mix
     assert heavy.returncode == 2 and "--mix-weight" in heavy.stderr and "Traceback" not in heavy.stderr
     assert set(RULES) >= {"fp32", "as-built", "block"}
+
+
+def test_clock_fp32_gives_the_modulo_rule_fp32s_clock_and_codec_its_own(tmp_path):
+    times = {}
+    for clock in ("fp32", "codec"):
+        out = tmp_path / f"{clock}.json"
+        run = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "as-built", "--seeds", "0",
+                              "--rounds", "1", "--workers", "2", "--clock", clock, "--json", str(out)],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        rows = json.loads(out.read_text())["rows"]
+        assert {r["clock"] for r in rows} == {clock}
+        times[clock] = {r["rule"]: r["sim_time_s"] for r in rows}
+    assert times["fp32"]["as-built"] == times["fp32"]["fp32"] == times["codec"]["fp32"]
+    assert times["codec"]["as-built"] < times["codec"]["fp32"]    # mod4-sd's own half a byte: shorter exchanges

@@ -169,6 +169,14 @@ def test_batched_flag_reaches_the_config():
     assert "batched = true" in res.output
 
 
+def test_charge_codec_flag_reaches_the_clock_config():
+    for flag, value in (("--no-charge-codec", "false"), ("--charge-codec", "true")):
+        res = CliRunner().invoke(cli, ["sim", flag, "--print-config"])
+        assert res.exit_code == 0, res.output
+        clock = res.output.split("[clock]")[1].split("\n[")[0]
+        assert f"charge_codec = {value}" in clock
+
+
 def test_tune_h20_suite_sweeps_gasloc_against_diloco_on_claim_bs_setup():
     # the suite's plumbing is tune-h1-smoke's (run above); here its runs resolve to what docs/sim-results.md says
     from gasloc.sim.suite import SUITES, _config

@@ -121,6 +121,39 @@ def test_a_modulo_codec_mixes_with_its_own_weight_and_keeps_the_pair_mean():
         assert moved / apart == pytest.approx(pull, rel=0.05), weight
 
 
+def schedule_of(c: SimConfig, monkeypatch) -> tuple[list, dict]:
+    """A run's pairings, round by round (who mixed with whom, in the order the engine ran them), and its result."""
+    rounds, mix_round = [], SimTrainer.mix_round
+
+    def recorded(self, partners):
+        rounds.append(sorted((i, tuple(ps)) for i, ps in partners.items()))
+        return mix_round(self, partners)
+
+    with monkeypatch.context() as m:   # undone after the run: the next run's recorder wraps the plain method
+        m.setattr(SimTrainer, "mix_round", recorded)
+        return rounds, run(c)
+
+
+@pytest.mark.timeout(240)
+def test_a_codec_not_charged_meets_the_fp32_runs_partners(monkeypatch):
+    # the clock charges fp32 4 bytes a parameter and mod4-sd about half a byte; toy rounds of 0.9 s beside exchanges
+    # of 3.2 s (fp32) and 0.4 s (mod4-sd) at the nominal 1e8 parameters, so the bytes move the live schedule
+    live = {"workers": 6, "rounds": 4, "schedule": "live", "topology": "random"}
+    fp32_rounds, fp32 = schedule_of(cfg(**live, codec="float32"), monkeypatch)
+    same_rounds, same = schedule_of(cfg(**live, codec="mod4-sd", **{"clock.charge_codec": False,
+                                                                       "clock.bytes_per_param": 4.0}), monkeypatch)
+    own_rounds, own = schedule_of(cfg(**live, codec="mod4-sd"), monkeypatch)
+    assert len(fp32_rounds) >= 4 and any(ps for r in fp32_rounds for _, ps in r)
+    assert same_rounds == fp32_rounds
+    assert [e["sim_time_s"] for e in same["evals"]] == [e["sim_time_s"] for e in fp32["evals"]]
+    assert same["bytes_sent_per_worker"] == fp32["bytes_sent_per_worker"]
+    assert same["final_val_loss"] != fp32["final_val_loss"]     # the codec's rounding is still there
+    # charged its own bytes, mod4-sd's exchanges end sooner: another schedule on a shorter clock
+    assert own_rounds != fp32_rounds
+    assert own["final_sim_time_s"] < fp32["final_sim_time_s"]
+    assert sum(own["bytes_sent_per_worker"]) < sum(fp32["bytes_sent_per_worker"]) / 4
+
+
 @pytest.mark.timeout(60)
 def test_async_schedule_lets_fast_workers_do_more_rounds():
     r = run(cfg(**{"schedule": "async", "outer.algorithm": "gossip", "clock.profile": "half-slow-compute-2x",

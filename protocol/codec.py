@@ -76,7 +76,8 @@ from gasloc.protocol.messages import MAX_CODEC_CHARS
 # the exchange's default, chosen by measurement (docs/codecs.md): the cheapest codec within 0.5 % of the fp32 wire's
 # loss at equal tokens in the simulator (paired seeds). mod4-sd at its mix weight (below): +0.43 % on seeds 0-2,
 # +0.18 % on 0-4, at 4.0 bits a parameter; on the fp32 run's partners (clock.charge_codec false: the rounding alone,
-# docs/codecs.md G2) +1.04 % and +0.79 %, so the bound is not settled (the schedule moves a seed by as much).
+# docs/codecs.md G2) +1.04 % and +0.79 %; over ten seeds +0.32 +- 0.35 % on its own partners, +0.91 +- 0.39 % on
+# fp32's (G3): within the bound as a swarm runs it, its rounding alone most likely not.
 # Blockwise rounding of the weights themselves at 4 bits costs 2.9-11.7 % (noise of ~14 % of a weight a mix, five
 # times the partners' distance); int8 (8.25 bits) was the default before
 DEFAULT_CODEC = "mod4-sd"

@@ -291,10 +291,7 @@ class Codec:
         if self.modulo:
             return self._decode_modulo(payload, out, seed, fill, ref, step)
         nb = self.blocks_sent(n)
-        qmax = (1 << (self.bits - 1)) - 1
-        scales = payload[:2 * nb].view(torch.float16).float()
-        codes = _unpack(payload[2 * nb:], self.bits, nb * self.block)
-        vals = codes.view(nb, self.block).float().sub_(qmax).mul_(scales.unsqueeze(1))
+        vals = self._block_values(payload[:2 * nb], payload[2 * nb:])
         if self.sparse:
             if seed is None or fill is None or fill.numel() != n:
                 raise CodecError(f"{self.name}: a sparse codec decodes with the exchange's seed over a fill")
@@ -305,6 +302,12 @@ class Codec:
         flat.copy_(vals.view(-1)[:n], non_blocking=True)
         return out
 
+    def _block_values(self, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Blockwise codes as values, (blocks, block) float32: (code - qmax) times its block's fp16 scale, from the
+        scales' bytes and the packed codes of the same blocks."""
+        nb = scales.numel() // 2
+        q = _unpack(codes, self.bits, nb * self.block).view(nb, self.block).float()
+        return q.sub_((1 << (self.bits - 1)) - 1).mul_(scales.view(torch.float16).float().unsqueeze(1))
 
     def _decode_modulo(self, payload: torch.Tensor, out: torch.Tensor, seed: int | None, fill: torch.Tensor | None,
                        ref: torch.Tensor | None, step: float | None) -> torch.Tensor:
@@ -319,9 +322,9 @@ class Codec:
         mix z_i = y_i + w (out - y_i) = y_i + w step d (protocol/averaging.py mix_pair_ with own_wire None)."""
         n = out.numel()
         self._check_modulo_inputs(n, payload, fill, ref, step)
-        nb = self.blocks_sent(n)
         if not self.sparse:
             return self._decode_modulo_span(payload, ref, out, fill, 0, n, step)
+        nb = self.blocks_sent(n)
         if seed is None:
             raise CodecError(f"{self.name}: a sparse codec decodes with the exchange's seed")
         delta = self._modulo_delta(payload, ref, nb * self.block, step).view(nb, self.block)
@@ -370,10 +373,8 @@ class Codec:
             return
         # whole blocks around the values, their codes read as they are (those beside the range are not written)
         b0, b1 = lo // self.block, -(-hi // self.block)
-        scales = payload[:head].view(torch.float16)[b0:b1].float()
-        codes = _unpack(payload[head + b0 * self.block // per:head + b1 * self.block // per], self.bits,
-                        (b1 - b0) * self.block)
-        vals = codes.view(-1, self.block).float().sub_((1 << (self.bits - 1)) - 1).mul_(scales.unsqueeze(1))
+        vals = self._block_values(payload[2 * b0:2 * b1],
+                                  payload[head + b0 * self.block // per:head + b1 * self.block // per])
         out.view(-1)[lo:hi].copy_(vals.view(-1)[lo - b0 * self.block:hi - b0 * self.block], non_blocking=True)
 
     def _check_modulo_inputs(self, n: int, payload: torch.Tensor, fill: torch.Tensor | None,

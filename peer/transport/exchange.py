@@ -461,7 +461,8 @@ class Exchanger:
                         # none of our bytes
                         return result(Outcome.rejected, Code.NOT_AUTHORIZED, "partner did not prove the swarm key")
                     # what we send: our codec, or a modulo peer's fallback for a responder of another codec
-                    send, theirs = sent_codec(self.codec, parse_codec(reply.codec)), parse_codec(reply.codec)
+                    theirs = parse_codec(reply.codec)
+                    send = sent_codec(self.codec, theirs)
                     steps = None
                     if send.modulo:   # both run it; the reply's probe was checked with it: its size, finite values
                         steps = probe_steps(self.codec, self.staging.numels, own_probe,
@@ -586,8 +587,8 @@ class Exchanger:
             return await self._reply(ch, partner, Code.BUSY, why, wanted=wanted)
         # what each side sends (checked with the request): our codec and the caller's, or a modulo peer's fallback
         # where the other's codec differs
-        send = sent_codec(self.codec, parse_codec(request.codec))
-        theirs = sent_codec(parse_codec(request.codec), self.codec)
+        named = parse_codec(request.codec)
+        send, theirs = sent_codec(self.codec, named), sent_codec(named, self.codec)
         # accepted: from here until the finally, nobody else can engage us (no await between check and set)
         eng = self._engagement = _Engagement("responder", partner, asyncio.current_task())
         outcome, code, detail, tensors, own = Outcome.failed, None, "", None, None

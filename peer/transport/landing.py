@@ -90,7 +90,7 @@ class Landing:
                     self._waiting[i].append((a, b))
                 if self._head[i] == 0:             # every scale is in: all codes that landed so far decode
                     for lo, hi in self._waiting[i]:
-                        self.staging.decode_range(self.codec, self.bufs[i], self.out[i], lo, hi, *self._args(i))
+                        self.codec.decode_range(self.bufs[i], self.out[i], lo, hi, *self._args(i))
                     self._waiting[i].clear()
                 finite = self._left[i] > 0 or is_finite(self.out[i])
             whole += self._left[i] == 0

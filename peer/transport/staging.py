@@ -127,14 +127,6 @@ class Staging:
             codec.decode(buf, out, seed, fill=fill, ref=ref, step=step)
         return is_finite(out)
 
-    @torch.no_grad()
-    def decode_range(self, codec: Codec, buf: torch.Tensor, out: torch.Tensor, start: int, stop: int,
-                     fill: torch.Tensor | None, ref: torch.Tensor | None, step: float | None) -> None:
-        """Bytes start..stop of one tensor's payload into the values of `out` they hold, where the codec
-        `decodes_ranges` (the exchange decodes each lane's share as it lands, peer/transport/landing.py); the
-        caller checks the whole tensor is finite once every part is in."""
-        codec.decode_range(buf, out, start, stop, fill, ref, step)
-
     def release(self) -> None:
         """Drop every buffer kept between exchanges (payloads, own wire form, spare decoded tensors); the next
         exchange allocates afresh. A CPU peer calls it after each search (peer/swarm/gossip.py keep_buffers)."""

@@ -18,6 +18,7 @@ not fit is refused with one line that names a batch size or a preset that does.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import resource
@@ -238,6 +239,11 @@ def dry_run(cfg, vocab_size: int, device: torch.device, staging=None) -> int:
     peak = RoundPeak(device)
     if device.type == "cpu" and not peak.resettable:
         raise RuntimeError("no resettable peak memory on this platform")
+    if device.type == "cpu":
+        # A CPU peak is the resident set's: garbage collected mid-run would lower it, and freed heap pages still
+        # resident would be reused without raising it; either reads the round smaller than it is.
+        gc.collect()
+        release_freed_host_memory()
     base = peak.current()
     peak.reset()
     autocast = autocast_for(device)

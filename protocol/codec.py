@@ -65,7 +65,7 @@ from __future__ import annotations
 import base64
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -182,12 +182,14 @@ class Codec:
 
     @torch.no_grad()
     def encode(self, t: torch.Tensor, out: torch.Tensor | None = None, generator: torch.Generator | None = None,
-               seed: int | None = None, step: float | None = None) -> torch.Tensor:
+               seed: int | None = None, step: float | None = None,
+               progress: Callable[[int], None] | None = None) -> torch.Tensor:
         """`t` (any float dtype, any device) as payload bytes: a uint8 CPU tensor of `tensor_bytes(t.numel())`,
         written into `out` when given. Stochastic rounding draws from `generator` (None: torch's default; a tensor
         on a GPU always draws from its device's default generator); a sparse codec sends the blocks
         `block_choice(numel, seed)` picks. A GPU tensor is quantized on its device and only the payload (bits/32 of
-        the tensor) crosses to the host."""
+        the tensor) crosses to the host. `progress(n)`: the first n bytes of `out` are final; a modulo codec on the
+        CPU reports each chunk (`MODULO_CHUNK` values), every encode its whole payload at the end."""
         n = t.numel()
         size = self.tensor_bytes(n)
         if out is None:
@@ -211,11 +213,13 @@ class Codec:
             xb = xb[self.block_choice(n, seed).to(dev)]
             nb = xb.shape[0]
         if self.modulo:
-            self._encode_modulo(xb, out, generator, seed, step)
+            self._encode_modulo(xb, out, generator, seed, step, progress if out is host else None)
         else:
             self._encode_blockwise(xb, out, generator, seed)
         if out is not host:
             host.copy_(out)   # the payload only: bits/32 of the tensor crosses to the host
+        if progress is not None:
+            progress(size)
         return host
 
     def _encode_blockwise(self, xb: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None,
@@ -244,7 +248,7 @@ class Codec:
         _pack(codes.view(-1), self.bits, out[2 * nb:])
 
     def _encode_modulo(self, xb: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None,
-                       seed: int | None, step: float | None) -> None:
+                       seed: int | None, step: float | None, progress: Callable[[int], None] | None) -> None:
         if step is None or not math.isfinite(step) or step <= 0:
             raise CodecError(f"{self.name}: a modulo codec encodes with the exchange's agreed step, got {step}")
         if self.shared:
@@ -271,6 +275,8 @@ class Codec:
             # a and b are multiples of every packing group (whole blocks, MODULO_CHUNK), so each chunk packs into
             # whole bytes of its own
             _pack(codes, self.bits, out[a * self.bits // 8:b * self.bits // 8])
+            if progress is not None:
+                progress(b * self.bits // 8)
 
     @torch.no_grad()
     def decode(self, payload: torch.Tensor, out: torch.Tensor, seed: int | None = None,

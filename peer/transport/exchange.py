@@ -10,7 +10,7 @@ Protocol (initiator I, responder R), on a control stream plus n-1 extra streams 
     I -> R  n-1 lane streams, each presenting the token
     I <-> R both payloads at once, raw, split over the n lanes, straight into preallocated tensors; a dense
             codec of whole-byte codes decoded as they land (peer/transport/landing.py); a modulo codec, encoded
-            only now: each tensor sent as soon as it is encoded (`_pipelined`)
+            only now: each lane's share of a tensor sent as soon as it is encoded (`_pipelined`)
     I <-> R one verdict byte each on the control stream: OK, or why the partner's tensors were discarded
 
 Failure semantics (what the daemon may rely on):
@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from gasloc.peer.transport.channel import STREAM_ERRORS, Channel, read_header
 from gasloc.peer.transport.landing import Landing
-from gasloc.peer.transport.lanes import LaneRegistry, gather_or_cancel, move, open_lanes
+from gasloc.peer.transport.lanes import LaneRegistry, Watermark, gather_or_cancel, move, open_lanes
 from gasloc.peer.transport.staging import Staging
 from gasloc.peer.transport.tensor_io import in_thread
 from gasloc.protocol.auth import EXCHANGE_ANSWER, EXCHANGE_CALL, PROOF_HEX_CHARS, proof_ok, stream_proof
@@ -666,13 +666,13 @@ class Exchanger:
     async def _pipelined(self, channels: list[Channel], offer: _Offer, codec: Codec, seed: int, steps: list[float],
                          bufs: list[torch.Tensor], out: list[torch.Tensor]) -> list[int]:
         """A modulo codec's transfer: its payload can only be encoded once the handshake agreed the steps (from both
-        sides' probes), so instead of encoding all, sending all, then decoding all, tensor k goes out as soon as it
-        is encoded (a worker thread encodes them in order) and their bytes are decoded as they land
-        (peer/transport/landing.py), each against our own tensor and our payload of it once that is encoded. The
-        bytes are the same as the plain path's. Returns the indices of their tensors that are not finite after
-        decoding."""
+        sides' probes), so instead of encoding all, sending all, then decoding all, each lane's share of tensor k
+        goes out as soon as it is encoded (a worker thread encodes them in order, chunk by chunk: lanes.Watermark)
+        and their bytes are decoded as they land (peer/transport/landing.py), each against our own tensor and our
+        payload of it once that is encoded. The bytes are the same as the plain path's. Returns the indices of
+        their tensors that are not finite after decoding."""
         loop = asyncio.get_running_loop()
-        encoded = [asyncio.Event() for _ in offer.tensors]
+        encoded = [Watermark(loop) for _ in offer.tensors]
         stop = threading.Event()
         async with self._encode_lock:     # the send buffers are the staging's own
             ours = self.staging.send_buffers(offer.tensors)
@@ -682,8 +682,7 @@ class Exchanger:
                 for k, t in enumerate(offer.tensors):
                     if stop.is_set():    # the transfer failed: do not spend a thread on bytes nobody reads
                         return
-                    self.staging.encode_one(k, t, seed, steps[k])
-                    loop.call_soon_threadsafe(encoded[k].set)
+                    self.staging.encode_one(k, t, seed, steps[k], progress=encoded[k].advance)
 
             encoder = loop.run_in_executor(None, encode)
 

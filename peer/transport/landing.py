@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from gasloc.peer.transport.lanes import Watermark
 from gasloc.peer.transport.staging import Staging
 from gasloc.peer.transport.tensor_io import in_thread, is_finite
 from gasloc.protocol.codec import Codec
@@ -24,12 +25,12 @@ from gasloc.protocol.codec import Codec
 class Landing:
     """Decodes `bufs` (the partner's payload buffers, in `codec`) into `out` while `move` fills them. `fill`, `ref`
     and `steps`: what `Staging.decode` takes per tensor (our own wire form or tensors, our payload, a modulo
-    codec's steps). `ready[i]`, where given, must be set before tensor i decodes (a modulo code decodes against our
-    own payload of it, encoded during the transfer)."""
+    codec's steps). `ready[i]`, where given, must reach byte b of tensor i before its bytes up to b decode (a modulo
+    code decodes against our own payload of it, encoded during the transfer)."""
 
     def __init__(self, staging: Staging, codec: Codec, bufs: Sequence[torch.Tensor], out: Sequence[torch.Tensor],
                  seed: int | None, fill: Sequence[torch.Tensor] | None, ref: Sequence[torch.Tensor] | None,
-                 steps: Sequence[float] | None, ready: Sequence[asyncio.Event] | None = None):
+                 steps: Sequence[float] | None, ready: Sequence[Watermark] | None = None):
         self.staging, self.codec, self.bufs, self.out, self.seed = staging, codec, bufs, out, seed
         self.fill, self.ref, self.steps, self.ready = fill, ref, steps, ready
         self.ranged = codec.decodes_ranges
@@ -56,8 +57,8 @@ class Landing:
             while not self._queue.empty():          # one thread hop for all that landed meanwhile
                 batch.append(self._queue.get_nowait())
             if self.ready is not None:
-                for i, _, _ in batch:
-                    await self.ready[i].wait()
+                for i, _, b in batch:
+                    await self.ready[i].reached(b if self.ranged else self.bufs[i].numel())
             job = asyncio.ensure_future(in_thread(self._decode, batch))
             try:
                 got, whole = await asyncio.shield(job)

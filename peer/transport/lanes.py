@@ -124,14 +124,40 @@ async def gather_or_cancel(coros: Sequence) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class Watermark:
+    """How many leading bytes of a buffer are final: advanced by its writer, from any thread, and awaited on the
+    event loop. A pipelined exchange's encoder advances one a tensor chunk by chunk, so that a lane sends its share
+    of the tensor once those bytes are encoded, not once all of it is: the first bytes leave after the first chunk's
+    encode, where a whole first tensor (the embedding, often the largest) kept the link idle for all of its."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self.bytes = 0
+        self._changed = asyncio.Event()
+
+    def advance(self, n: int) -> None:
+        """The first n bytes are final (any thread; the loop must still run)."""
+        self._loop.call_soon_threadsafe(self._set, n)
+
+    def _set(self, n: int) -> None:
+        if n > self.bytes:
+            self.bytes = n
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def reached(self, n: int) -> None:
+        while self.bytes < n:
+            await self._changed.wait()
+
+
 async def move(channels: Sequence[Channel], out: Sequence[torch.Tensor], into: Sequence[torch.Tensor],
-               chunk_bytes: int, ready: Sequence[asyncio.Event] | None = None,
+               chunk_bytes: int, ready: Sequence[Watermark] | None = None,
                arrived: Callable[[int], None] | None = None,
                landed: Callable[[int, int, int], None] | None = None) -> None:
     """Send `out` and fill `into` at once, lane k carrying share k of each payload. Raises if any lane fails.
-    Pipelined (a codec encoded per exchange, peer/transport/exchange.py): a lane sends its share of out[i] once
-    `ready[i]` is set, `landed(i, a, b)` is called once bytes a..b of into[i] (one lane's share of it) are in, and
-    `arrived(i)` once all of into[i] is."""
+    Pipelined (a codec encoded per exchange, peer/transport/exchange.py): a lane sends bytes a..b of out[i] once
+    `ready[i]` has reached b, `landed(i, a, b)` is called once bytes a..b of into[i] (one lane's share of it) are
+    in, and `arrived(i)` once all of into[i] is."""
     out_views = [byte_view(t) for t in out]
     in_views = [byte_view(t) for t in into]
     sends = lane_segments([len(v) for v in out_views], len(channels))
@@ -148,7 +174,7 @@ async def move(channels: Sequence[Channel], out: Sequence[torch.Tensor], into: S
     async def send(ch: Channel, segs) -> None:
         for i, a, b in segs:
             if ready is not None:
-                await ready[i].wait()
+                await ready[i].reached(b)
             await ch.write(out_views[i][a:b], chunk_bytes)
 
     async def receive(ch: Channel, segs) -> None:

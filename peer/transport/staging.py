@@ -18,7 +18,7 @@ received tensors; the daemon counts these as the exchange's buffers (bench/host_
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -70,11 +70,13 @@ class Staging:
         return self._send
 
     @torch.no_grad()
-    def encode_one(self, k: int, t: torch.Tensor, seed: int | None, step: float | None) -> torch.Tensor:
-        """Tensor k of our payload alone, into its send buffer (a pipelined exchange sends it while the next is
-        encoded); the same bytes `encode` writes for it."""
+    def encode_one(self, k: int, t: torch.Tensor, seed: int | None, step: float | None,
+                   progress: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Tensor k of our payload alone, into its send buffer (a pipelined exchange sends it while the rest is
+        encoded); the same bytes `encode` writes for it. `progress(n)`: its first n bytes are final
+        (`Codec.encode`)."""
         buf = self.send_buffers([t])[k]
-        self.codec.encode(t, buf, generator=self._rng, seed=seed, step=step)
+        self.codec.encode(t, buf, generator=self._rng, seed=seed, step=step, progress=progress)
         if t.device.type == "cuda":
             torch.cuda.synchronize()
         return buf

@@ -320,6 +320,25 @@ def test_modulo_encodes_chunk_by_chunk_to_the_codes_of_the_whole_tensor(name):
     assert torch.equal(got, _pack_reference(codes, c.bits))
 
 
+@pytest.mark.parametrize("name", ["mod4-sd", "mod3", "mod2-p50-sd", "int8"])
+def test_the_encode_reports_each_final_prefix_of_the_payload_as_it_writes_it(name):
+    """`progress(n)`: the first n payload bytes are final when it is called (a pipelined exchange sends them at
+    once): a modulo code once a chunk, every codec its whole payload at the end; the same bytes as without it."""
+    c = parse(name)
+    n = 2 * MODULO_CHUNK + 6400
+    y = torch.randn(n) * 0.02
+    out = torch.zeros(c.tensor_bytes(n), dtype=torch.uint8)
+    seen: list[tuple[int, torch.Tensor]] = []
+    c.encode(y, out, seed=7, step=1e-3, generator=torch.Generator().manual_seed(1),
+             progress=lambda k: seen.append((k, out[:k].clone())))
+    whole = c.encode(y, seed=7, step=1e-3, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(out, whole)
+    marks = [k for k, _ in seen]
+    assert marks == sorted(marks) and marks[-1] == out.numel()
+    assert len(set(marks)) == (1 if not c.modulo else -(-c.blocks_sent(n) * c.block // MODULO_CHUNK))
+    assert all(torch.equal(prefix, whole[:k]) for k, prefix in seen)
+
+
 def _pack_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Little-end-first packing as a bit stream: each code's bits, lowest first, one after another."""
     stream = np.unpackbits(codes.numpy()[:, None], axis=1, bitorder="little")[:, :bits].reshape(-1)

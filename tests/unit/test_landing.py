@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gasloc.peer.transport.landing import Landing
+from gasloc.peer.transport.lanes import Watermark
 from gasloc.peer.transport.staging import Staging
 from gasloc.protocol.codec import parse
 from gasloc.protocol.messages import TensorSpec
@@ -86,5 +87,33 @@ def test_a_tensor_is_checked_finite_once_whole_and_other_codecs_decode_each_tens
         _land(landing, bufs, payload, 0, 0, payload[0].numel())
         _land(landing, bufs, payload, 1, 0, payload[1].numel())
         assert await asyncio.wait_for(run, 5) == []
+
+    asyncio.run(main())
+
+
+def test_a_modulo_share_decodes_only_once_our_own_codes_of_it_are_encoded():
+    """A pipelined exchange encodes our payload during the transfer, and a modulo share decodes against our codes of
+    the same bytes: a share a..b waits until `ready` (the encoder's Watermark) has reached b, not the whole tensor."""
+    async def main():
+        st, codec, seed, steps, ours, ref, payload, bufs, out, want = _setup("mod4-sd")
+        ready = [Watermark(asyncio.get_running_loop()) for _ in ours]
+        landing = Landing(st, codec, bufs, out, seed, ours, ref, steps, ready=ready)
+        run = asyncio.ensure_future(landing.run())
+        n0, n1 = payload[0].numel(), payload[1].numel()
+        mid = n0 // 2
+        first = out[0].view(-1)[:mid * 8 // codec.bits]
+        _land(landing, bufs, payload, 0, 0, mid)
+        ready[0].advance(mid - 1)
+        await asyncio.sleep(0.05)
+        assert bool(torch.isnan(first).all())          # one byte of our codes short
+        ready[0].advance(mid)
+        await asyncio.sleep(0.05)
+        assert torch.equal(first, want[0].view(-1)[:mid * 8 // codec.bits])   # decoded before the rest is encoded
+        _land(landing, bufs, payload, 0, mid, n0)
+        _land(landing, bufs, payload, 1, 0, n1)
+        ready[0].advance(n0)
+        ready[1].advance(n1)
+        assert await asyncio.wait_for(run, 5) == []
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
 
     asyncio.run(main())

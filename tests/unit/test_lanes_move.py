@@ -1,5 +1,5 @@
 """peer/transport/lanes.py `move` pipelined (a modulo codec's exchange, peer/transport/exchange.py `_pipelined`): a
-lane sends its share of tensor i only once `ready[i]` is set, and `arrived(i)` comes once per tensor, when all of
+lane sends its share of tensor i only once `ready[i]` (a Watermark) has reached its end, and `arrived(i)` comes once per tensor, when all of
 its bytes are in, over every lane. Channels here are in-memory pairs (move uses only write and readinto)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from gasloc.peer.transport.lanes import move
+from gasloc.peer.transport.lanes import Watermark, move
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -51,18 +51,19 @@ def test_a_pipelined_move_sends_a_tensor_only_once_ready_and_reports_each_arriva
         got_theirs = [torch.zeros_like(t) for t in theirs]
         log: list = []
         mine, partners = _pair(2, log)
-        ready = [asyncio.Event() for _ in ours]
+        loop = asyncio.get_running_loop()
+        ready = [Watermark(loop) for _ in ours]
         arrived: list[int] = []
         task = asyncio.ensure_future(move(mine, ours, got_theirs, 4, ready=ready, arrived=arrived.append))
         other = asyncio.ensure_future(move(partners, theirs, got_ours, 4))
         await asyncio.sleep(0.05)
         assert not log                      # nothing of ours before tensor 0 is ready
         assert sorted(arrived) == [0, 1, 2, 3]   # theirs all in already (the empty one from the start)
-        ready[0].set()
+        ready[0].advance(10)
         await asyncio.sleep(0.05)
         assert {b for _, b in log} <= {bytes(ours[0])} and log    # tensor 0 only
-        for e in ready[1:]:
-            e.set()
+        for w, n in zip(ready[1:], (7, 0, 13)):
+            w.advance(n)
         await asyncio.wait_for(asyncio.gather(task, other), 5)
         assert len(arrived) == 4 and len(set(arrived)) == 4     # once each
         assert all(torch.equal(a, b) for a, b in zip(got_ours, ours))
@@ -118,5 +119,34 @@ def test_each_lanes_share_of_a_tensor_is_reported_as_it_lands():
         await asyncio.wait_for(task, 5)
         assert sorted(landed) == [(0, 0, 10), (2, 0, 3), (2, 3, 16), (2, 16, 30)]
         assert all(torch.equal(a, b) for a, b in zip(got, theirs))
+
+    asyncio.run(main())
+
+
+def test_a_lane_sends_its_share_once_the_watermark_passes_it_not_once_the_whole_tensor_is_encoded():
+    """The encoder advances a tensor's Watermark chunk by chunk (exchange.py `_pipelined`): with 2 lanes, lane 0's
+    share of a 16-byte tensor (bytes 0-7) goes once 8 bytes are final, lane 1's waits for the rest, and a watermark
+    advanced from another thread wakes the sender."""
+    async def main():
+        ours = [torch.arange(16, dtype=torch.uint8)]
+        theirs = [torch.zeros(16, dtype=torch.uint8)]
+        got_ours, got_theirs = [torch.zeros(16, dtype=torch.uint8)], [torch.zeros(16, dtype=torch.uint8)]
+        log: list = []
+        mine, partners = _pair(2, log)
+        ready = [Watermark(asyncio.get_running_loop())]
+        task = asyncio.ensure_future(move(mine, ours, got_theirs, 4, ready=ready))
+        other = asyncio.ensure_future(move(partners, theirs, got_ours, 4))
+        ready[0].advance(7)                                  # one byte short of lane 0's share
+        await asyncio.sleep(0.05)
+        assert not log
+        await asyncio.to_thread(ready[0].advance, 8)         # as the encoder thread does
+        await asyncio.sleep(0.05)
+        assert log == [("sent", bytes(range(8)))]
+        ready[0].advance(3)                                  # a watermark never goes back
+        await asyncio.sleep(0.01)
+        assert ready[0].bytes == 8
+        ready[0].advance(16)
+        await asyncio.wait_for(asyncio.gather(task, other), 5)
+        assert torch.equal(got_ours[0], ours[0]) and [b for _, b in log] == [bytes(range(8)), bytes(range(8, 16))]
 
     asyncio.run(main())

@@ -190,19 +190,24 @@ def group_cpu_s(pgids: list[int]) -> dict[str, float]:
     return out
 
 
-def wire_bytes(params: int, wire: str) -> int:
+# how a payload of N parameters splits into the workers' tensors: ten equal ones, or half of it in the first (a
+# language model's embedding, which a pipelined exchange encodes before anything else goes out) and nine after it
+LAYOUTS = {"even": lambda n: [n // 10] * 10, "embedding": lambda n: [n // 2] + [n // 18] * 9}
+
+
+def wire_bytes(sizes: list[int], wire: str) -> int:
     from gasloc.protocol.codec import parse
-    return parse(wire).payload_bytes([params // 10] * 10)   # the workers' NUM_TENSORS tensors
+    return parse(wire).payload_bytes(sizes)
 
 
-def payload_timeout(params: int, wire: str, link: str) -> float:
-    mb = wire_bytes(params, wire) / 1e6
+def payload_timeout(sizes: list[int], wire: str, link: str) -> float:
+    mb = wire_bytes(sizes, wire) / 1e6
     rate_mb_s = {"loopback": 50, "1gbit": 60, "100mbit": 6}[link]   # pessimistic rates: only a hang should hit it
     return 120 + mb / rate_mb_s * 3
 
 
 def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], reps: int, warmup: int,
-             log_dir: str, worker_flags: list[str]) -> list[dict]:
+             log_dir: str, worker_flags: list[str], layout: str = "even") -> list[dict]:
     rows: list[dict] = []
     netns = None
     workers: list[WorkerProc] = []
@@ -225,14 +230,15 @@ def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], 
         workers.append(b)
         b.recv(120)
         for params in sizes:
+            shapes = LAYOUTS[layout](params)
             for wire in wires:
-                timeout = payload_timeout(params, wire, link)
+                timeout = payload_timeout(shapes, wire, link)
                 # a blockwise codec is the exchange's own: the other methods have nothing to compare it with
                 cell = [m for m in methods if wire in CAST_WIRES or m == "gasloc"]
                 for m in cell:
                     key = f"{params}_{wire}_{m}"
                     for w in (a, b):
-                        w.call(timeout, op="prepare", key=key, method=m, params=params, wire=wire)
+                        w.call(timeout, op="prepare", key=key, method=m, sizes=shapes, wire=wire)
                 times: dict[str, list[float]] = {m: [] for m in cell}
                 cpus: dict[str, list[float]] = {m: [] for m in cell}
                 cpus_p2pd: dict[str, list[float]] = {m: [] for m in cell}
@@ -263,9 +269,10 @@ def run_link(link: str, sizes: list[int], wires: list[str], methods: list[str], 
                     key = f"{params}_{wire}_{m}"
                     for w in (a, b):
                         w.call(60, op="drop", key=key)
-                    wire_mb = wire_bytes(params, wire) / 1e6
+                    wire_mb = wire_bytes(shapes, wire) / 1e6
                     med = statistics.median(times[m])
-                    rows.append({"link": link, "params": params, "wire_dtype": wire, "method": m, "seconds": med,
+                    rows.append({"link": link, "params": params, "layout": layout, "wire_dtype": wire, "method": m,
+                                 "seconds": med,
                                  "seconds_min": min(times[m]), "runs": times[m], "wire_mb_each_way": wire_mb,
                                  "cpu_s": statistics.median(cpus[m]), "cpu_p2pd_s": statistics.median(cpus_p2pd[m]),
                                  "mb_s_each_way": wire_mb / med})
@@ -340,10 +347,13 @@ def parse_size(s: str) -> int:
               help="untimed runs per cell on loopback and 1gbit (page faults; the stream count gasloc learns from "
                    "its first exchange with a partner); none on 100mbit, where they cost most and teach nothing")
 @click.option("--quick", is_flag=True, help="25M only, loopback + 1gbit, 2 reps")
-@click.option("--uvloop", is_flag=True, help="run the workers' event loops on uvloop")
+@click.option("--uvloop/--asyncio", default=True, show_default=True,
+              help="the workers' event loops: uvloop, which the peer's daemon runs (runtime/aio.py), or asyncio's own")
 @click.option("--max-streams", default=32, show_default=True, help="gasloc: parallel streams per exchange")
+@click.option("--layout", type=click.Choice(sorted(LAYOUTS)), default="even", show_default=True,
+              help="the payload's tensors: ten equal ones, or half of the parameters in the first (an embedding)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, writable=True), help="write the rows here")
-def main(sizes, links, wires, methods, reps, warmup, quick, uvloop, max_streams, json_out) -> None:
+def main(sizes, links, wires, methods, reps, warmup, quick, uvloop, max_streams, layout, json_out) -> None:
     if quick:
         sizes, links, reps = "25M", "loopback,1gbit", 2
     try:
@@ -380,7 +390,7 @@ def main(sizes, links, wires, methods, reps, warmup, quick, uvloop, max_streams,
             for link in link_list:
                 rows += run_link(link, size_list, wire_list, method_list, reps,
                                  warmup if link in WARMUP_LINKS else 0, log_dir,
-                                 ["--max-streams", str(max_streams)] + (["--uvloop"] if uvloop else []))
+                                 ["--max-streams", str(max_streams)] + (["--uvloop"] if uvloop else []), layout)
         except BenchError as e:
             raise click.ClickException(str(e)) from None
         except KeyboardInterrupt:

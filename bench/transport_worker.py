@@ -1,7 +1,7 @@
 """One side of the transport benchmark (bench/transport.py starts two of these, maybe inside network namespaces).
 
 Role a listens, role b initiates. The orchestrator drives both over stdin/stdout, one JSON object per line:
-    -> {"op": "prepare", "key": K, "method": M, "params": N, "wire": W}     <- {"ok": true}
+    -> {"op": "prepare", "key": K, "method": M, "sizes": [N, ...], "wire": W}   <- {"ok": true}
     -> {"op": "arm", "key": K}          (averager: step until AWAITING_TRIGGER)   <- {"ok": true}
     -> {"op": "go", "key": K}           (a: wait for its side; b: run it)         <- {"seconds": s, "check": ...}
     -> {"op": "drop", "key": K}  /  {"op": "exit"}
@@ -27,7 +27,6 @@ import torch
 from gasloc.runtime.procs import set_pdeathsig
 
 CHUNK = 1 << 20
-NUM_TENSORS = 10
 NS = "gxbench"
 log = logging.getLogger("transport_worker")
 
@@ -36,9 +35,9 @@ def die_with_parent() -> None:
     set_pdeathsig(signal.SIGKILL)     # runtime/procs.py loads libc at import, not in the forked DHT/averager child
 
 
-def make_tensors(params: int, seed: int) -> list[torch.Tensor]:
+def make_tensors(sizes: list[int], seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(params // NUM_TENSORS, generator=g) for _ in range(NUM_TENSORS)]
+    return [torch.randn(n, generator=g) for n in sizes]
 
 
 def views(ts):
@@ -100,7 +99,7 @@ class Worker:
         self.p2p = None
         self.dht = None
         self.state: dict[str, dict] = {}
-        self.bundles: dict[tuple[int, str], dict] = {}   # per (params, wire): our tensors, receive buffers, digests
+        self.bundles: dict[tuple, dict] = {}   # per (tensor sizes, wire): our tensors, receive buffers, digests
         self.raw_pending: asyncio.Future | None = None
 
     # ---- setup ----
@@ -134,26 +133,25 @@ class Worker:
 
     # ---- per-configuration state ----
 
-    async def prepare(self, key: str, method: str, params: int, wire: str) -> dict:
+    async def prepare(self, key: str, method: str, sizes: list[int], wire: str) -> dict:
         seed_mine, seed_theirs = (1, 2) if self.role == "a" else (2, 1)
-        if (params, wire) not in self.bundles:
+        if (tuple(sizes), wire) not in self.bundles:
             self.bundles.clear()      # one configuration at a time: bounded memory
-            theirs = make_tensors(params, seed_theirs)
-            own = make_tensors(params, seed_mine)
+            theirs = make_tensors(sizes, seed_theirs)
+            own = make_tensors(sizes, seed_mine)
             from gasloc.protocol.codec import parse as parse_codec
             if parse_codec(wire).modulo:   # a modulo code assumes close partners: 2.5 % of a weight apart, as live
-                base = make_tensors(params, 0)
+                base = make_tensors(sizes, 0)
                 own, theirs = ([b + 0.025 * t for b, t in zip(base, ts)] for ts in (own, theirs))
                 del base
-            self.bundles[(params, wire)] = {
+            self.bundles[(tuple(sizes), wire)] = {
                 "own": own, "own_digest": digest(own), "want": digest(theirs),
                 "avg": digest([(a + b) / 2 for a, b in zip(own, theirs)]),
                 # tcp and the raw stream move a cast's bytes; a blockwise codec is the exchange's alone
-                "recv": [torch.empty(params // NUM_TENSORS, dtype=getattr(torch, wire, torch.uint8))
-                         for _ in range(NUM_TENSORS)]}
+                "recv": [torch.empty(n, dtype=getattr(torch, wire, torch.uint8)) for n in sizes]}
             del theirs
-        b = self.bundles[(params, wire)]
-        st = {"method": method, "params": params, "wire": wire, "own": b["own"], "own_digest": b["own_digest"],
+        b = self.bundles[(tuple(sizes), wire)]
+        st = {"method": method, "params": sum(sizes), "wire": wire, "own": b["own"], "own_digest": b["own_digest"],
               "want": b["want"], "recv": b["recv"]}
         if method == "gasloc":
             from gasloc.peer.transport.exchange import ExchangeConfig, Exchanger

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gasloc.protocol.codec import parse
 from gasloc.runtime.procs import Supervisor, descendants, is_alive, process_table
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "transport.py"
@@ -82,6 +83,23 @@ def test_bench_quick_loopback_all_methods(tmp_path):
 def test_bench_rejects_bad_options():
     r = subprocess.run([sys.executable, str(BENCH), "--links", "10gbit"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown ['10gbit']" in r.stderr
+    r = subprocess.run([sys.executable, str(BENCH), "--layout", "flat"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "'flat' is not one of 'embedding', 'even'" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_embedding_layout_pipelines_a_modulo_exchange_with_half_the_payload_in_its_first_tensor(tmp_path):
+    """`--layout embedding`: the workers' tensors are half the parameters and nine of the rest (a language model's
+    embedding first), what the default codec's pipelined exchange sends only as its encode advances; the partner's
+    tensors arrive checked."""
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, str(BENCH), "--sizes", "1M", "--links", "loopback", "--reps", "1",
+                        "--warmup", "0", "--methods", "gasloc", "--wires", "mod4-sd", "--layout", "embedding",
+                        "--json", str(out)], capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["layout"] == "embedding" and row["method"] == "gasloc" and row["seconds"] > 0
+    assert round(row["wire_mb_each_way"] * 1e6) == parse("mod4-sd").payload_bytes([500_000] + [55_555] * 9)
 
 
 @pytest.mark.netns

@@ -6,8 +6,9 @@ A round's peak, in fp32 copies of the parameters (n of them, 4n bytes each; docs
   plus activations;
 - the outer step: the model (in a plain round it holds y, what we send: outer.outgoing in_place), two moments,
   anchor, z_prev (the gradients are freed when the phase ends) = 5, plus the exchange's buffers (received tensors,
-  with a lossy codec our own wire form and the two payloads: 2.5 with int8), which a CPU peer drops after each
-  search so that the inner phase reuses them.
+  with a lossy codec our own wire form and the two payloads: 2.5 with int8; a modulo codec's peer also holds,
+  with a partner of another codec, an int8 payload and its decoded copy besides its own send buffers), which a CPU
+  peer drops after each search so that the inner phase reuses them.
 
 Fit check (`check_fit`): an analytic estimate first (so a preset far too large is refused without trying it), then
 one dry inner and outer step on a throwaway model (same code as a round) whose measured peak is compared with the
@@ -256,10 +257,7 @@ def dry_run(cfg, vocab_size: int, device: torch.device, staging=None) -> int:
     for step in range(2):
         inner_step_on_device(model, opt, batch, step, cfg.inner, autocast)
     opt.zero_grad(set_to_none=True)  # as run_inner_phase does at the phase's end
-    sent = outer.outgoing(params, in_place=not cfg.outer.overlap)  # as the daemon's rounds
-    if sent:
-        _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device, staging)
-    del sent
+    _dry_exchange(cfg, model, params, outer, batch, autocast, device, staging)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     used = peak.bytes() - base
@@ -307,41 +305,66 @@ def release_freed_host_memory() -> None:
         pass
 
 
-def _dry_exchange(cfg, model, params, outer, sent, batch, autocast, device, staging_cls) -> None:
-    """An exchange with ourselves through the exchange's own staging (peer/transport/staging.py: our payload, the
+def _dry_exchange(cfg, model, params, outer, batch, autocast, device, staging_cls) -> None:
+    """What we send (`outer.outgoing`, as the daemon's rounds) and an exchange with ourselves through the exchange's own staging (peer/transport/staging.py: our payload, the
     decoded copy of our wire form, the partner's payload and its decoded tensors), then the daemon's steps: the
-    received tensors on the device, a partner's batch check, the in-place symmetric mix, the outer step."""
+    received tensors on the device, a partner's batch check, the in-place symmetric mix, the outer step. A modulo
+    codec's peer also runs its exchange with a partner of another codec (exchange.py `_wire_tensors`): it sends
+    FALLBACK_CODEC from buffers of their own, which hold our own wire form decoded, and receives the partner's
+    codec, at most float32's bytes, while its staging keeps its own send buffers."""
     from gasloc.protocol.averaging import group_mean_weight, mix_pair_
-    from gasloc.protocol.codec import parse, probe, probe_steps
+    from gasloc.protocol.codec import FALLBACK_CODEC, parse
     from gasloc.protocol.messages import TensorSpec
 
+    sent = outer.outgoing(params, in_place=not cfg.outer.overlap)  # as the daemon's rounds
+    if not sent:
+        return
     if staging_cls is None:
         received = [t.detach().to("cpu", copy=True).to(device) for t in sent]
         mixed = mix_pair_(received, sent, None, group_mean_weight(1))
         outer.apply(params, mixed if cfg.outer.algorithm != "diloco" else received)
         return
     codec = parse(cfg.exchange.codec)
-    staging = staging_cls([TensorSpec.of(tuple(t.shape), t.dtype) for t in sent], codec)
+    specs = [TensorSpec.of(tuple(t.shape), t.dtype) for t in sent]
+    staging = staging_cls(specs, codec)
+    _dry_pair(cfg, model, params, outer, sent, batch, autocast, device, staging, staging, codec)
+    if codec.modulo:   # the next round, with a partner of another codec; our staging keeps its buffers
+        del sent
+        sent = outer.outgoing(params, in_place=not cfg.outer.overlap)
+        _dry_pair(cfg, model, params, outer, sent, batch, autocast, device, staging,
+                  staging_cls(specs, parse(FALLBACK_CODEC)), parse("float32"))
+
+
+def _dry_pair(cfg, model, params, outer, sent, batch, autocast, device, staging, sender, theirs) -> None:
+    """One exchange of `_dry_exchange` and the outer step after it: `sender` (a staging) encodes what we send,
+    `staging` receives the partner's payload in `theirs` (our own payload where the codecs agree, else our tensors
+    in `theirs`, a lossless codec)."""
+    from gasloc.protocol.averaging import group_mean_weight, mix_pair_
+    from gasloc.protocol.codec import probe, probe_steps
+
     steps = None
-    if codec.modulo:   # with ourselves both probes agree (the smallest step): the buffers, not the values, count here
+    if sender.codec.modulo:   # with ourselves both probes agree (the smallest step): the buffers, not the values, count
         own_probe = probe(sent, 0)
-        steps = probe_steps(codec, [t.numel() for t in sent], own_probe, own_probe)
-    payload = staging.encode(sent, seed=0, steps=steps)
-    own_wire = staging.own_wire(payload, sent, seed=0)
+        steps = probe_steps(sender.codec, [t.numel() for t in sent], own_probe, own_probe)
+    payload = sender.encode(sent, seed=0, steps=steps)
+    own_wire = sender.own_wire(payload, sent, seed=0)
     idle = outer.idle_buffers()
     if idle is not None and device.type == "cpu":  # as the daemon: the partner's tensors land in the anchor
         staging.recycle(idle)
-    bufs, out = staging.receive_buffers(codec)
-    if bufs is not out:
-        for b, p in zip(bufs, payload):
-            b.copy_(p.reshape(-1).view(b.dtype) if p.dtype != b.dtype else p.reshape(b.shape))
-    else:
+    bufs, out = staging.receive_buffers(theirs)
+    if bufs is out:           # zero-copy: the partner's tensors land where they are read
         for o, t in zip(out, sent):
             o.copy_(t)
-    if codec.modulo:   # the partner's codes against our own tensors and our own codes
-        staging.decode(codec, bufs, out, 0, sent, payload, steps)
+    elif theirs == sender.codec:
+        for b, p in zip(bufs, payload):
+            b.copy_(p.reshape(-1).view(b.dtype) if p.dtype != b.dtype else p.reshape(b.shape))
+    else:                     # a lossless partner of another dtype: its bytes are a cast of ours
+        for b, t in zip(bufs, sent):
+            b.view(theirs.cast).copy_(t.reshape(-1))
+    if theirs.modulo:   # the partner's codes against our own tensors and our own codes
+        staging.decode(theirs, bufs, out, 0, sent, payload, steps)
     else:
-        staging.decode(codec, bufs, out, 0, own_wire if codec.sparse else None)
+        staging.decode(theirs, bufs, out, 0, own_wire if theirs.sparse else None)
     received = [t.to(device) for t in out]
     wire = None if own_wire is None else [t.to(device) for t in own_wire]
     if len(received) == len(params):

@@ -306,12 +306,13 @@ def release_freed_host_memory() -> None:
 
 
 def _dry_exchange(cfg, model, params, outer, batch, autocast, device, staging_cls) -> None:
-    """What we send (`outer.outgoing`, as the daemon's rounds) and an exchange with ourselves through the exchange's own staging (peer/transport/staging.py: our payload, the
-    decoded copy of our wire form, the partner's payload and its decoded tensors), then the daemon's steps: the
-    received tensors on the device, a partner's batch check, the in-place symmetric mix, the outer step. A modulo
-    codec's peer also runs its exchange with a partner of another codec (exchange.py `_wire_tensors`): it sends
-    FALLBACK_CODEC from buffers of their own, which hold our own wire form decoded, and receives the partner's
-    codec, at most float32's bytes, while its staging keeps its own send buffers."""
+    """What we send (`outer.outgoing`, as the daemon's rounds), an exchange with ourselves through the exchange's
+    own staging (peer/transport/staging.py: our payload, the decoded copy of our wire form, the partner's payload
+    and its decoded tensors), then the daemon's steps: the received tensors on the device, a partner's batch check,
+    the in-place symmetric mix, the outer step. A modulo codec's peer also runs the next round with a partner of
+    another codec (exchange.py `_wire_tensors`): it sends FALLBACK_CODEC from buffers of their own, which hold our
+    own wire form decoded, and receives the partner's codec, at most float32's bytes, while its staging keeps its
+    own send buffers."""
     from gasloc.protocol.averaging import group_mean_weight, mix_pair_
     from gasloc.protocol.codec import FALLBACK_CODEC, parse
     from gasloc.protocol.messages import TensorSpec

@@ -1,6 +1,7 @@
 """peer/transport/lanes.py `move` pipelined (a modulo codec's exchange, peer/transport/exchange.py `_pipelined`): a
-lane sends its share of tensor i only once `ready[i]` (a Watermark) has reached its end, and `arrived(i)` comes once per tensor, when all of
-its bytes are in, over every lane. Channels here are in-memory pairs (move uses only write and readinto)."""
+lane sends its share of tensor i only once `ready[i]` (a Watermark) has reached the share's end, and `arrived(i)`
+comes once per tensor, when all of its bytes are in, over every lane. Channels here are in-memory pairs (move uses
+only write and readinto)."""
 from __future__ import annotations
 
 import asyncio

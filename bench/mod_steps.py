@@ -25,6 +25,11 @@ wire run in the same invocation:
                 block's RMS rounded to a power of 2^(1/2), the larger of the two sides', as 4-bit codes both
                 could send), scaled so that the tensor's RMS is the pair's actual difference: an implementable
                 per-block rule, if the movement predicted the difference
+    sign1       ONE bit a value, every value every round: each side sends its code's parity (floor(y / step + u)
+                mod 2, the shared dither u); where the parities differ, a side reads the partner one step above
+                it if its own value sits in the upper half of its cell, else one step below (exact, and the
+                same on both sides, where |difference| < step / 2). The step per tensor is `--sign-range` times
+                the pair's whole difference RMS (a perfect probe): what a dense 1-bit modulo code gives at best
 
 `--clock fp32` charges every run the fp32 wire's 4 bytes a parameter (clock.charge_codec false,
 clock.bytes_per_param 4) instead of its codec's bytes: a modulo rule's exchanges then take as long as fp32's, so its
@@ -46,8 +51,9 @@ from concurrent.futures import ProcessPoolExecutor
 import click
 import torch
 
-RULES = ("fp32", "as-built", "band1", "tensor", "block", "movement")
+RULES = ("fp32", "as-built", "band1", "tensor", "block", "movement", "sign1")
 BITS, BLOCK, RANGE_RMS = 4, 64, 8.0
+SIGN_RANGE_RMS = 4.0   # sign1's default step, in RMS of the pair's difference
 CLOCKS = ("codec", "fp32")
 FP32_BYTES = 4.0   # what the fp32 wire's codec ("float32") charges a parameter: 32 bits, no header
 HALF = 1 << (BITS - 1)
@@ -93,7 +99,20 @@ def code_pair(step: torch.Tensor, a: torch.Tensor, b: torch.Tensor, gen: torch.G
     return (ab + step * d).view(-1)[:n], (bb - step * d).view(-1)[:n]
 
 
-def _patched_modulo_wire(rule: str):
+def sign_pair(step: float, a: torch.Tensor, b: torch.Tensor, gen: torch.Generator
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what a decodes of b, what b decodes of a) from one bit a value each way: rule sign1 (module docstring)."""
+    u = torch.rand(a.shape, generator=gen, dtype=torch.float64)
+    xa, xb = a / step + u, b / step + u
+    qa, qb = torch.floor(xa), torch.floor(xb)
+    differ = (qa - qb).remainder(2) != 0
+    one = torch.ones_like(a)
+    da = torch.where(differ, torch.where(xa - qa >= 0.5, one, -one), torch.zeros_like(a))
+    db = torch.where(differ, torch.where(xb - qb >= 0.5, one, -one), torch.zeros_like(b))
+    return a + step * da, b + step * db
+
+
+def _patched_modulo_wire(rule: str, sign_range: float = SIGN_RANGE_RMS):
     from gasloc.protocol.codec import probe, probe_steps
 
     def _modulo_wire(self, partners) -> None:
@@ -115,6 +134,12 @@ def _patched_modulo_wire(rule: str):
                 for k, (a, b, xa, xb) in enumerate(zip(self.sent[i], self.sent[j], self.outers[i].anchor,
                                                        self.outers[j].anchor)):
                     fa, fb = a.reshape(-1).double(), b.reshape(-1).double()
+                    if rule == "sign1":
+                        step = max(sign_range * float((fb - fa).square().mean().sqrt()), 1e-9)
+                        da, db = sign_pair(step, fa, fb, gen)
+                        wi.append(da.float().view_as(a))
+                        wj.append(db.float().view_as(b))
+                        continue
                     if probed is not None:
                         step = torch.full((-(-fa.numel() // BLOCK), 1), probed[k], dtype=torch.float64)
                     else:
@@ -158,8 +183,9 @@ def simulate(rule: str, seed: int, overrides: dict, *, modulo_wire=None, mix_wei
             "mix_weight": mix_weight, "clock": clock, "sim_time_s": r["final_sim_time_s"]}
 
 
-def run_one(rule: str, seed: int, overrides: dict, mix_weight: float | None = None, clock: str = "codec") -> dict:
-    wire = _patched_modulo_wire(rule) if rule not in ("fp32", "as-built") else None
+def run_one(rule: str, seed: int, overrides: dict, mix_weight: float | None = None, clock: str = "codec",
+            sign_range: float = SIGN_RANGE_RMS) -> dict:
+    wire = _patched_modulo_wire(rule, sign_range) if rule not in ("fp32", "as-built") else None
     return simulate(rule, seed, overrides, modulo_wire=wire, mix_weight=mix_weight, clock=clock)
 
 
@@ -232,19 +258,22 @@ def clock_option(f):
               help="the modulo rules' weight per partner (default: the codec's own, 0.4 for mod4-sd; E ran at 0.5); "
                    "fp32 keeps the pair's mean")
 @clock_option
+@click.option("--sign-range", type=click.FloatRange(0, min_open=True), default=SIGN_RANGE_RMS, show_default=True,
+              help="sign1: its step per tensor, in RMS of the pair's difference")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def main(rules: str, seeds: str, jobs: int, rounds: int | None, workers: int | None, mix_weight: float | None,
-         clock: str, json_path: str | None) -> None:
+         clock: str, sign_range: float, json_path: str | None) -> None:
     chosen = [r.strip() for r in rules.split(",") if r.strip()]
     if bad := [r for r in chosen if r not in RULES]:
         raise click.BadParameter(f"unknown rule(s) {', '.join(bad)}; choose from {', '.join(RULES)}",
                                  param_hint="--rules")
     seed_list, overrides = seeds_and_overrides(seeds, rounds, workers)
-    rows = paired_cells(run_one, chosen, seed_list, jobs, overrides, mix_weight, clock)
+    rows = paired_cells(run_one, chosen, seed_list, jobs, overrides, mix_weight, clock, sign_range)
     click.echo(table(rows))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"rows": rows, "overrides": overrides, "mix_weight": mix_weight, "clock": clock}, f, indent=1)
+            json.dump({"rows": rows, "overrides": overrides, "mix_weight": mix_weight, "clock": clock,
+                       "sign_range": sign_range}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
-from mod_steps import HALF, RULES, code_pair, steps_for  # noqa: E402
+from mod_steps import HALF, RULES, code_pair, sign_pair, steps_for  # noqa: E402
 
 
 @pytest.mark.parametrize("rule", ["tensor", "block", "movement"])
@@ -36,13 +36,29 @@ def test_the_pair_mean_is_kept_and_the_partner_read_within_a_step(rule, band):
     assert ((da - b).abs()[within] <= per[within] + 1e-12).all()
 
 
+def test_one_bit_a_value_reads_the_partners_cell_exactly_where_the_pair_is_within_half_a_step():
+    """sign1: a parity bit each way and the receiver's own position in its cell give the same dithered difference a
+    multi-bit code would (both sides alike: the pair's mean kept) wherever |b - a| < step / 2; unbiased."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(20000, generator=g, dtype=torch.float64)
+    b = a + 0.49 * (2 * torch.rand(20000, generator=g, dtype=torch.float64) - 1)
+    got_b, got_a = sign_pair(1.0, a, b, torch.Generator().manual_seed(5))
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    d = torch.floor(b + u) - torch.floor(a + u)
+    assert torch.equal(got_b, a + d) and torch.equal(got_a, b - d)
+    assert abs(float(d.mean() - (b - a).mean())) < 0.01
+    far = a + 0.9                                      # past half a step: the bit no longer says which side
+    got_far, _ = sign_pair(1.0, a, far, torch.Generator().manual_seed(5))
+    assert float(((got_far - a) < 0).double().mean()) > 0.2
+
+
 def test_the_cli_runs_a_smoke_invocation_and_refuses_an_unknown_rule():
-    run = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,movement", "--seeds", "0",
+    run = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,sign1", "--seeds", "0",
                           "--rounds", "1", "--workers", "2", "--mix-weight", "0.4"], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert [r.split("|")[1].strip() for r in rows] == ["fp32", "block", "movement"]   # fp32 always, first
+    assert [r.split("|")[1].strip() for r in rows] == ["fp32", "block", "sign1"]   # fp32 always, first
     bad = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,psychic"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "psychic" in bad.stderr and "Traceback" not in bad.stderr

@@ -137,14 +137,13 @@ def _patched_modulo_wire(rule: str, sign_range: float = SIGN_RANGE_RMS):
                     if rule == "sign1":
                         step = max(sign_range * float((fb - fa).square().mean().sqrt()), 1e-9)
                         da, db = sign_pair(step, fa, fb, gen)
-                        wi.append(da.float().view_as(a))
-                        wj.append(db.float().view_as(b))
-                        continue
-                    if probed is not None:
-                        step = torch.full((-(-fa.numel() // BLOCK), 1), probed[k], dtype=torch.float64)
                     else:
-                        step = steps_for(rule, fa, fb, fa - xa.reshape(-1).double(), fb - xb.reshape(-1).double())
-                    da, db = code_pair(step, fa, fb, gen, band=1 if rule == "band1" else 0)
+                        if probed is not None:
+                            step = torch.full((-(-fa.numel() // BLOCK), 1), probed[k], dtype=torch.float64)
+                        else:
+                            step = steps_for(rule, fa, fb, fa - xa.reshape(-1).double(),
+                                             fb - xb.reshape(-1).double())
+                        da, db = code_pair(step, fa, fb, gen, band=1 if rule == "band1" else 0)
                     wi.append(da.float().view_as(a))
                     wj.append(db.float().view_as(b))
                 self.wire[(i, j)], self.wire[(j, i)] = wi, wj

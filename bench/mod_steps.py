@@ -4,6 +4,8 @@
     python bench/mod_steps.py --rules fp32,block --seeds 0 --rounds 2 --workers 4  # a smoke run
     python bench/mod_steps.py --rules as-built --mix-weight 0.45 --jobs 2           # mod4-sd at another weight
     python bench/mod_steps.py --rules as-built --clock fp32 --jobs 2                # with the fp32 wire's partners
+    python bench/mod_steps.py --rules as-built --codec mod3-sd --mix-momentum 0 --clock fp32 --jobs 2
+                                                                    # another codec, no momentum on the mixes
 
 The modulo rules mix with mod4-sd's own weight (0.4, protocol/codec.py; invocation E ran before it, at the pair's
 mean 0.5: `--mix-weight 0.5` runs E again), fp32 with the pair's mean, its best (docs/codecs.md invocation G).
@@ -37,6 +39,11 @@ run meets the same partners at the same times as the fp32 run of its seed, and t
 rounding alone. By default (`codec`) each codec's own bytes are charged, as the suite does: a cheaper exchange ends
 earlier, the live schedule's partners differ from fp32's, and the pairing mixes the two effects.
 
+`--codec` runs another codec of protocol/codec.py as the as-built rule (the other rules are mod4-sd's arithmetic
+written here), and `--mix-momentum` sets outer.mix_momentum (kappa, docs/algorithms.md: the share of a mix's
+correction the outer momentum carries on; 1, the form as published, by default) for every rule but fp32, which
+keeps its default as it keeps the pair's mean.
+
 Every rule but fp32 and as-built replaces the simulator's modulo exchange (sim/trainer.py `_modulo_wire`) with the
 same arithmetic written here: both sides round y / step with the exchange's shared dither, send the integers modulo
 2^b and decode y_i + step * d, the pair's mean exact (d read as -d by the partner). It is an experiment, not a
@@ -52,6 +59,7 @@ import click
 import torch
 
 RULES = ("fp32", "as-built", "band1", "tensor", "block", "movement", "sign1")
+CODEC = "mod4-sd"   # what every rule but fp32 runs; `--codec` changes it for as-built alone
 BITS, BLOCK, RANGE_RMS = 4, 64, 8.0
 SIGN_RANGE_RMS = 4.0   # sign1's default step, in RMS of the pair's difference
 CLOCKS = ("codec", "fp32")
@@ -157,10 +165,11 @@ def clock_overrides(clock: str) -> dict:
 
 
 def simulate(rule: str, seed: int, overrides: dict, *, modulo_wire=None, mix_weight: float | None = None,
-             clock: str = "codec") -> dict:
+             clock: str = "codec", codec: str = CODEC, mix_momentum: float | None = None) -> dict:
     """One run of the codec suite's fp32 setup at `seed`, a row of the paired table: the fp32 wire for rule
-    "fp32", else mod4-sd with its `_modulo_wire` replaced by `modulo_wire` where given (the exchange of an
-    experiment; the codec's own probe steps where not)."""
+    "fp32", else `codec` (mod4-sd) with its `_modulo_wire` replaced by `modulo_wire` where given (the exchange of
+    an experiment; the codec's own code where not). `mix_weight`, `mix_momentum`: the outer settings of every
+    rule but fp32 (None: the default)."""
     from gasloc.sim.runner import run
     from gasloc.sim.suite import SUITES, RunSpec, _config
     from gasloc.sim.trainer import SimTrainer
@@ -168,9 +177,11 @@ def simulate(rule: str, seed: int, overrides: dict, *, modulo_wire=None, mix_wei
     suite = SUITES["codecs"]
     b = next(r.overrides for r in suite.runs if r.overrides.get("codec") == "float32")
     spec = {**b, **overrides, **clock_overrides(clock), "seed": seed,
-            "codec": "float32" if rule == "fp32" else f"mod{BITS}-sd"}
+            "codec": "float32" if rule == "fp32" else codec}
     if mix_weight is not None and rule != "fp32":   # fp32 keeps the pair's mean, its best (docs/codecs.md G)
         spec["outer.mix_weight"] = mix_weight
+    if mix_momentum is not None and rule != "fp32":
+        spec["outer.mix_momentum"] = mix_momentum
     original = SimTrainer._modulo_wire
     if modulo_wire is not None and rule != "fp32":
         SimTrainer._modulo_wire = modulo_wire
@@ -179,13 +190,15 @@ def simulate(rule: str, seed: int, overrides: dict, *, modulo_wire=None, mix_wei
     finally:
         SimTrainer._modulo_wire = original
     return {"rule": rule, "seed": seed, "final": r["final_val_loss"], "consensus": r["evals"][-1].get("consensus"),
-            "mix_weight": mix_weight, "clock": clock, "sim_time_s": r["final_sim_time_s"]}
+            "mix_weight": mix_weight, "clock": clock, "sim_time_s": r["final_sim_time_s"],
+            "codec": spec["codec"], "mix_momentum": mix_momentum if rule != "fp32" else None, "guard": r["guard"]}
 
 
 def run_one(rule: str, seed: int, overrides: dict, mix_weight: float | None = None, clock: str = "codec",
-            sign_range: float = SIGN_RANGE_RMS) -> dict:
+            sign_range: float = SIGN_RANGE_RMS, codec: str = CODEC, mix_momentum: float | None = None) -> dict:
     wire = _patched_modulo_wire(rule, sign_range) if rule not in ("fp32", "as-built") else None
-    return simulate(rule, seed, overrides, modulo_wire=wire, mix_weight=mix_weight, clock=clock)
+    return simulate(rule, seed, overrides, modulo_wire=wire, mix_weight=mix_weight, clock=clock, codec=codec,
+                    mix_momentum=mix_momentum)
 
 
 def paired(rows: list[dict]) -> dict[str, list[float]]:
@@ -213,7 +226,9 @@ def table(rows: list[dict], extra: dict[str, dict[str, str]] | None = None) -> s
         by_seed = ", ".join(f"{x:+.2f} %" for x in rel[rule])
         mean = f"{statistics.mean(rel[rule]):+.2f} %" if rel[rule] else ""
         consensus = ", ".join(f"{r['consensus']:.3f}" for r in rs)
-        out.append(f"| {rule} | {finals} | {by_seed} | {mean} | {consensus} |"
+        codec = rs[0].get("codec", CODEC)
+        label = f"{rule} ({codec})" if codec not in (CODEC, "float32") else rule
+        out.append(f"| {label} | {finals} | {by_seed} | {mean} | {consensus} |"
                    + "".join(f" {col.get(rule, '')} |" for col in extra.values()))
     return "\n".join(out)
 
@@ -259,20 +274,35 @@ def clock_option(f):
 @clock_option
 @click.option("--sign-range", type=click.FloatRange(0, min_open=True), default=SIGN_RANGE_RMS, show_default=True,
               help="sign1: its step per tensor, in RMS of the pair's difference")
+@click.option("--codec", default=CODEC, show_default=True,
+              help="the codec of the as-built rule, any name protocol/codec.py reads (the other rules are mod4-sd's)")
+@click.option("--mix-momentum", type=click.FloatRange(0, 1), default=None,
+              help="kappa (outer.mix_momentum) of every rule but fp32: the share of a mix's correction the outer "
+                   "momentum carries on (default: 1, the form as published)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def main(rules: str, seeds: str, jobs: int, rounds: int | None, workers: int | None, mix_weight: float | None,
-         clock: str, sign_range: float, json_path: str | None) -> None:
+         clock: str, sign_range: float, codec: str, mix_momentum: float | None, json_path: str | None) -> None:
+    from gasloc.protocol.codec import CodecError, parse
+
     chosen = [r.strip() for r in rules.split(",") if r.strip()]
     if bad := [r for r in chosen if r not in RULES]:
         raise click.BadParameter(f"unknown rule(s) {', '.join(bad)}; choose from {', '.join(RULES)}",
                                  param_hint="--rules")
+    try:
+        parse(codec)
+    except CodecError as e:
+        raise click.BadParameter(str(e), param_hint="--codec") from None
+    if codec != CODEC and (other := [r for r in chosen if r not in ("fp32", "as-built")]):
+        raise click.BadParameter(f"rule(s) {', '.join(other)} are {CODEC}'s arithmetic; only as-built runs "
+                                 f"{codec}", param_hint="--codec")
     seed_list, overrides = seeds_and_overrides(seeds, rounds, workers)
-    rows = paired_cells(run_one, chosen, seed_list, jobs, overrides, mix_weight, clock, sign_range)
+    rows = paired_cells(run_one, chosen, seed_list, jobs, overrides, mix_weight, clock, sign_range, codec,
+                        mix_momentum)
     click.echo(table(rows))
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"rows": rows, "overrides": overrides, "mix_weight": mix_weight, "clock": clock,
-                       "sign_range": sign_range}, f, indent=1)
+                       "sign_range": sign_range, "codec": codec, "mix_momentum": mix_momentum}, f, indent=1)
 
 
 if __name__ == "__main__":

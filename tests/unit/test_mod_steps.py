@@ -13,7 +13,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
-from mod_steps import HALF, RULES, code_pair, sign_pair, steps_for  # noqa: E402
+from mod_steps import HALF, RULES, code_pair, sign_pair, simulate, steps_for  # noqa: E402
 
 
 @pytest.mark.parametrize("rule", ["tensor", "block", "movement"])
@@ -66,6 +66,24 @@ def test_the_cli_runs_a_smoke_invocation_and_refuses_an_unknown_rule():
                            capture_output=True, text=True, timeout=60)   # more than the pair's mean: no mix
     assert heavy.returncode == 2 and "--mix-weight" in heavy.stderr and "Traceback" not in heavy.stderr
     assert set(RULES) >= {"fp32", "as-built", "block"}
+    for args, named in ((["--codec", "mod9"], "mod9"), (["--codec", "mod3-sd", "--rules", "as-built,block"], "block"),
+                        (["--mix-momentum", "1.5"], "--mix-momentum")):
+        bad = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), *args], capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and named in bad.stderr and "Traceback" not in bad.stderr, args
+
+
+def test_the_codec_and_mix_momentum_options_reach_the_run_and_fp32_keeps_its_own():
+    # five rounds of one pair: past guard.known_after's three accepted mixes, from where the outer momentum may
+    # carry a correction, so kappa changes the run; the same run and seed otherwise
+    smoke = {"rounds": 5, "workers": 2, "inner.inner_steps": 4}
+    without = simulate("as-built", 0, smoke, codec="mod3-sd", mix_momentum=0.0)
+    carried = simulate("as-built", 0, smoke, codec="mod3-sd")
+    assert without["codec"] == carried["codec"] == "mod3-sd"
+    assert (without["mix_momentum"], carried["mix_momentum"]) == (0.0, None)
+    assert without["final"] != carried["final"]
+    fp32 = simulate("fp32", 0, smoke, codec="mod3-sd", mix_momentum=0.0)
+    assert (fp32["codec"], fp32["mix_momentum"]) == ("float32", None)
 
 
 def test_clock_fp32_gives_the_modulo_rule_fp32s_clock_and_codec_its_own(tmp_path):

@@ -52,9 +52,9 @@ from gasloc.peer.train.memory import (
     write_oom_marker,
 )
 from gasloc.peer.train.model import autocast_for, build_model, maybe_compile
-from gasloc.peer.train.outer import make_outer, mix_applied_once
+from gasloc.peer.train.outer import make_outer, round_mix_momentum_applied
 from gasloc.peer.transport.staging import Staging
-from gasloc.protocol.averaging import mix_pair_, pair_weight
+from gasloc.protocol.averaging import mix_pair_, pair_weight, round_mix_momentum
 from gasloc.protocol.decision import Decision, MixJudge, PrivateChecks
 from gasloc.protocol.donors import adopted_round, cross_check
 from gasloc.protocol.guard import FarStreak, swarm_ahead
@@ -743,7 +743,7 @@ class Peer:
             t_outer = time.monotonic()
         if mixed is not None or self.outer.solo_steps:
             # a solo round (also when the guard rejected the partner): mix is the identity, the outer momentum applies
-            with mix_applied_once(self.outer, not _momentum(ex)):  # a stranger's correction: applied once
+            with round_mix_momentum_applied(self.outer, self._kappa(ex)):  # a stranger's correction: applied once
                 self.outer.apply(self.params, sent if mixed is None else mixed)
         else:  # DiLoCo: never a solo step; the round is dropped (params back to the anchor)
             self.outer.drop(self.params)
@@ -781,6 +781,11 @@ class Peer:
             mix_pair_([received[k] for k in ks], [sent[k] for k in ks],
                       None if own_wire is None else [own_wire[k] for k in ks], weight * s)
         return received, consensus
+
+    def _kappa(self, ex: RoundExchange) -> float:
+        """The round's kappa (form C's share of the mix correction its momentum carries on): 0 for a partner we
+        barely know, else outer.mix_momentum, else what the exchange's codecs warrant (both sides alike), else 1."""
+        return round_mix_momentum(self.cfg.outer.mix_momentum, ex.mix_momentum, _momentum(ex))
 
     def _judge(self, sent: list[torch.Tensor], received: list[torch.Tensor], ex: RoundExchange) -> Decision:
         """The mix decision on one partner's tensors (protocol/decision.py), applied: every offer is checked on one
@@ -829,7 +834,7 @@ class Peer:
         if ex.ok:
             mixed, consensus = self._mixed(sent, ex)
             if mixed is not None:
-                with mix_applied_once(self.outer, not _momentum(ex)):  # a stranger's correction: applied once
+                with round_mix_momentum_applied(self.outer, self._kappa(ex)):  # a stranger's: applied once
                     self.outer.late_mix(self.params, sent, mixed)
             self.averaging.recycle(ex)
         return ex, consensus, self._evaluate_at(self.outer.anchor) if eval_due and evaluate_due else None

@@ -28,6 +28,18 @@ def pair_weight(configured: float | None, codec_weight: float | None = None, par
     return codec_weight if codec_weight is not None else group_mean_weight(partners)
 
 
+def round_mix_momentum(configured: float | None, codec_kappa: float | None = None, carry: bool = True) -> float:
+    """kappa of one round's mix (GASLoC form C, docs/algorithms.md): 0 where the mix decision gives the correction
+    no outer momentum (`carry` False: a partner we barely know, protocol/decision.py), else the configured one
+    (outer.mix_momentum), else the exchange's codec's (protocol/codec.py exchange_mix_momentum), else 1, the form as
+    published. The live peer and the simulator both ask this."""
+    if not carry:
+        return 0.0
+    if configured is not None:
+        return configured
+    return codec_kappa if codec_kappa is not None else 1.0
+
+
 @torch.no_grad()
 def mix(own: Sequence[torch.Tensor], partners: Sequence[Sequence[torch.Tensor]], weight: float | None = None
         ) -> list[torch.Tensor]:

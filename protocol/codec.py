@@ -77,7 +77,8 @@ from gasloc.protocol.messages import MAX_CODEC_CHARS
 # loss at equal tokens in the simulator (paired seeds). mod4-sd at its mix weight (below): +0.43 % on seeds 0-2,
 # +0.18 % on 0-4, at 4.0 bits a parameter; on the fp32 run's partners (clock.charge_codec false: the rounding alone,
 # docs/codecs.md G2) +1.04 % and +0.79 %; over ten seeds +0.32 +- 0.35 % on its own partners, +0.91 +- 0.39 % on
-# fp32's (G3): within the bound as a swarm runs it, its rounding alone most likely not.
+# fp32's (G3) at kappa 1; with its own kappa 0.5 (below) +0.39 +- 0.37 % on fp32's partners over ten seeds (J),
+# lower than at kappa 1 on every seed.
 # Blockwise rounding of the weights themselves at 4 bits costs 2.9-11.7 % (noise of ~14 % of a weight a mix, five
 # times the partners' distance); int8 (8.25 bits) was the default before
 DEFAULT_CODEC = "mod4-sd"
@@ -88,6 +89,12 @@ DEFAULT_CODEC = "mod4-sd"
 # (docs/codecs.md invocation G): 0.35 +1.6 %, 0.4 +0.4 %, 0.45 +1.3 %, 0.5 +1.15 % over fp32; 0.4 halves the
 # consensus distance
 MODULO4_MIX_WEIGHT = 0.4
+# kappa (outer.mix_momentum, form C) a dense 4-bit modulo exchange runs where outer.mix_momentum is unset (1, the
+# form as published, otherwise): the outer momentum carries on only half of such a mix's correction, and with it
+# half of its rounding noise. Measured on fp32's partners over ten seeds (docs/codecs.md invocation J): 0.5 ended
+# below 1 on every seed, by 0.51 +- 0.11 % (+0.39 % over fp32 against +0.91 %); 0 cost more than 1 (+1.4 % against
+# +1.0 % on seeds 0-2)
+MODULO4_MIX_MOMENTUM = 0.5
 DEFAULT_BLOCK = 64
 CASTS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BLOCK_BITS = (2, 3, 4, 8)
@@ -146,7 +153,17 @@ class Codec:
         mean). Set only where measured: the dense 4-bit modulo code with the shared dither. Both sides of a modulo
         exchange run the same codec (any other is BAD_DTYPE), so both pull by the same weight and the pair's mean
         stays exact."""
-        return MODULO4_MIX_WEIGHT if self.modulo and self.shared and self.bits == 4 and not self.sparse else None
+        return MODULO4_MIX_WEIGHT if self._measured_modulo4 else None
+
+    @property
+    def mix_momentum(self) -> float | None:
+        """kappa (outer.mix_momentum) this codec's rounding warrants where outer.mix_momentum is unset (None: 1, the
+        form as published). Set only where measured, as mix_weight."""
+        return MODULO4_MIX_MOMENTUM if self._measured_modulo4 else None
+
+    @property
+    def _measured_modulo4(self) -> bool:
+        return self.modulo and self.shared and self.bits == 4 and not self.sparse
 
     @property
     def sparse(self) -> bool:
@@ -521,6 +538,13 @@ def exchange_mix_weight(sent: Codec, received: Codec) -> float | None:
     only where both sides sent that codec, else the pair's mean (None). Both sides compute the same, so the pair's
     mean stays exact."""
     return sent.mix_weight if sent == received else None
+
+
+def exchange_mix_momentum(sent: Codec, received: Codec) -> float | None:
+    """kappa of one exchange where outer.mix_momentum is unset: the codec's own (Codec.mix_momentum) only where both
+    sides sent that codec, else None (1). Both sides compute the same: a kappa that differs between the two sides
+    of a mix would move the swarm's mean."""
+    return sent.mix_momentum if sent == received else None
 
 
 def check_name(name: str) -> str:

@@ -11,8 +11,8 @@ import torch
 from gasloc.peer.train.data import BLOCK_TOKENS, WindowSampler, build_data, evaluate
 from gasloc.peer.train.inner import inner_step, make_inner_optimizer
 from gasloc.peer.train.model import build_model
-from gasloc.peer.train.outer import make_outer, mix_applied_once
-from gasloc.protocol.averaging import exact_mean, mix, pair_weight
+from gasloc.peer.train.outer import make_outer, round_mix_momentum_applied
+from gasloc.protocol.averaging import exact_mean, mix, pair_weight, round_mix_momentum
 from gasloc.protocol.codec import parse as codec_parse
 from gasloc.protocol.codec import probe, probe_steps
 from gasloc.protocol.decision import MixJudge, PrivateChecks
@@ -117,9 +117,13 @@ class SimTrainer:
 
     def arrive(self, i: int) -> None:
         if self.late[i] is not None:  # overlap: the previous round's mix, added where it arrived
-            with mix_applied_once(self.outers[i], not self.carry[i]):
+            with round_mix_momentum_applied(self.outers[i], self._kappa(i)):
                 self.outers[i].late_mix(self.params[i], *self.late[i])
             self.late[i] = None
+
+    def _kappa(self, i: int) -> float:
+        """Worker i's kappa this round, as a live peer's (protocol/averaging.py round_mix_momentum)."""
+        return round_mix_momentum(self.cfg.outer.mix_momentum, self.codec_kappa[i], self.carry[i])
 
     def send(self, i: int) -> int:
         self.arrive(i)  # a mix that has not arrived yet is waited for (the engine's clock charges the wait)
@@ -135,6 +139,8 @@ class SimTrainer:
         pair (the pair mean), 1/3 where either side has two partners this round."""
         degree = {i: len(ps) for i, ps in partners.items()}
         codec_w = self.codec.mix_weight if self.codec is not None else None   # only pairwise codecs have one
+        for i in partners:   # every worker runs the one codec: both sides of a pair warrant the same kappa
+            self.codec_kappa[i] = self.codec.mix_momentum if self.codec is not None else None
         if self.codec is not None and self.codec.seeded:
             self._seeded_wire(partners)
         for i, ps in partners.items():
@@ -166,6 +172,7 @@ class SimTrainer:
         self.wire: dict = dict.fromkeys(range(cfg.workers))   # i -> its wire form; (i, j): j's, as i decodes it
         self.rngs = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + i) for i in range(cfg.workers)]
         self.pair_seed = 0   # seeded codecs: counts mix rounds, for each pair's seed
+        self.codec_kappa: list[float | None] = [None] * cfg.workers   # the kappa this round's codec warrants
 
     def _wire_of(self, i: int) -> list[torch.Tensor]:
         """What worker i's partners receive: its sent tensors without a (lossy) codec, else their wire form."""
@@ -251,6 +258,8 @@ class SimTrainer:
         return evaluate(self.eval_model, self.val[:1] if batches is None else batches)
 
     def allreduce(self, workers: list[int]) -> None:
+        for i in workers:   # the exact mean (or a configured weight) travels lossless: no codec's kappa
+            self.codec_kappa[i] = None
         if self.weight is None:  # the exact mean, computed once (every update reads `mixed` without writing it)
             mean = exact_mean([self.sent[j] for j in workers])
             for i in workers:
@@ -265,7 +274,7 @@ class SimTrainer:
             if self.mixed[i] is not self.sent[i]:
                 self.late[i] = (self.sent[i], self.mixed[i])
         else:
-            with mix_applied_once(self.outers[i], not self.carry[i]):
+            with round_mix_momentum_applied(self.outers[i], self._kappa(i)):
                 self.outers[i].apply(self.params[i], self.mixed[i])
         self.sent[i] = self.mixed[i] = self.wire[i] = None
         for key in [key for key in self.wire if isinstance(key, tuple) and key[0] == i]:

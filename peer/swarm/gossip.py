@@ -232,7 +232,7 @@ class GossipAveraging:
         if not res.ok:
             return False
         report.received, report.kind, report.group_size = res.tensors, "pair", 2
-        report.own_wire, report.mix_weight = res.own_wire, res.mix_weight
+        report.own_wire, report.mix_weight, report.mix_momentum = res.own_wire, res.mix_weight, res.mix_momentum
         report.path = self.net.p2p.path.get(res.partner, "direct")   # direct, or forwarded:<forwarder>
         t0 = self._search_t0
         self.policy.succeeded(res.partner, None if t0 is None else time.monotonic() - res.seconds - t0)

@@ -25,6 +25,7 @@ class RoundExchange:
     received: list[torch.Tensor] | None = None
     own_wire: list[torch.Tensor] | None = None  # pair: our tensors as the partner decoded them (None: lossless)
     mix_weight: float | None = None   # pair: the weight the exchange's codecs warrant (None: the pair's mean)
+    mix_momentum: float | None = None   # pair: the kappa the exchange's codecs warrant (None: 1)
     group_size: int = 1
     bytes_sent: int = 0
     bytes_received: int = 0

@@ -82,10 +82,12 @@ class OuterConfig(BaseModel):
     mix_weight: float | None = Field(None, gt=0, le=1, description="weight w per partner in z = x - sum w (x - "
                                      "x_j); default: the wire codec's own weight where it has one (mod4-sd: 0.4, "
                                      "protocol/codec.py), else the uniform mean of the group (1/2 with one partner)")
-    mix_momentum: float = Field(1.0, ge=0, le=1, description="kappa (form C): the share of each round's mixing "
-                                "correction z - y that the outer momentum carries into later rounds; 1 = form C "
-                                "(equals DiLoCo on the complete graph), 0 = momentum on the local progress only, "
-                                "the mix applied once; the swarm mean follows DiLoCo's path for every value")
+    mix_momentum: float | None = Field(None, ge=0, le=1, description="kappa (form C): the share of each round's "
+                                       "mixing correction z - y that the outer momentum carries into later rounds; 1 "
+                                       "= form C (equals DiLoCo on the complete graph), 0 = momentum on the local "
+                                       "progress only, the mix applied once; the swarm mean follows DiLoCo's path "
+                                       "for every value; default: the exchange's codec's own where it has one "
+                                       "(mod4-sd: 0.5, protocol/codec.py), else 1")
     overlap: bool = Field(False, description="one-round-delayed mixing (gasloc, gossip): each round applies its "
                           "outer step at once as if solo and adds the partner's contribution when the exchange "
                           "lands, so the exchange runs during the next round's inner steps; more tokens/s, some "
@@ -97,7 +99,7 @@ class OuterConfig(BaseModel):
         if self.algorithm == "gossip" and (self.outer_lr not in (None, 1.0) or self.momentum not in (None, 0.0)):
             raise ValueError("algorithm 'gossip' is GASLoC with outer_lr=1 and momentum=0; use 'gasloc' to set "
                              "other values")
-        if self.mix_momentum != 1.0 and (self.algorithm != "gasloc" or self.form != "C"):
+        if self.mix_momentum not in (None, 1.0) and (self.algorithm != "gasloc" or self.form != "C"):
             raise ValueError(f"outer.mix_momentum is defined for gasloc form C, not {self.algorithm!r}"
                              + (f" form {self.form!r}" if self.algorithm == "gasloc" else "")
                              + "; remove it or use algorithm 'gasloc' with form 'C'")
@@ -105,6 +107,12 @@ class OuterConfig(BaseModel):
             raise ValueError(f"overlap (one-round-delayed mixing) is defined for gasloc and gossip, not "
                              f"{self.algorithm!r}; remove outer.overlap or change the algorithm")
         return self
+
+    @property
+    def kappa(self) -> float:
+        """mix_momentum as set, 1 (the form as published) where unset: a round's own kappa comes from
+        protocol/averaging.py round_mix_momentum (`with round_mix_momentum_applied(...)`)."""
+        return 1.0 if self.mix_momentum is None else self.mix_momentum
 
     @property
     def eta(self) -> float:
@@ -256,16 +264,16 @@ class GASLoC(OuterUpdate):
             keep = self.z_prev if form == "C" else self.y_prev  # becomes gamma-extrapolated theta
             # A: theta = z + gamma (y - y_prev); C: theta = z + gamma (z - z_prev - (1 - kappa)(z - y))
             torch._foreach_sub_(keep, mixed if form == "C" else y)              # -(z - z_prev) | -(y - y_prev)
-            if form == "C" and self.cfg.mix_momentum != 1.0 and in_anchor:
+            if form == "C" and self.cfg.kappa != 1.0 and in_anchor:
                 # z is in the anchor's buffer: -(z - y) = y - z in y's (read no more in form C; the parameters,
                 # which the last line overwrites, or a copy), added with -(1 - kappa): the same bits
                 d = y if self._y_in_params else torch._foreach_mul(y, 1.0)
                 torch._foreach_sub_(d, mixed)
-                torch._foreach_add_(keep, d, alpha=-(1 - self.cfg.mix_momentum))
-            elif form == "C" and self.cfg.mix_momentum != 1.0:
+                torch._foreach_add_(keep, d, alpha=-(1 - self.cfg.kappa))
+            elif form == "C" and self.cfg.kappa != 1.0:
                 torch._foreach_copy_(anchor, mixed)                             # the anchor's buffer: z - y
                 torch._foreach_sub_(anchor, y)
-                torch._foreach_add_(keep, anchor, alpha=1 - self.cfg.mix_momentum)
+                torch._foreach_add_(keep, anchor, alpha=1 - self.cfg.kappa)
             torch._foreach_mul_(keep, -self.gamma)
             torch._foreach_add_(keep, mixed)                                    # keep = the new theta
             if form != "C" or not in_anchor:
@@ -296,7 +304,7 @@ class GASLoC(OuterUpdate):
         d = torch._foreach_sub(list(mixed), list(sent))
         if self.cfg.form == "C":
             torch._foreach_add_(self.z_prev, d)
-            torch._foreach_mul_(d, 1 + self.gamma * self.cfg.mix_momentum)
+            torch._foreach_mul_(d, 1 + self.gamma * self.cfg.kappa)
         torch._foreach_add_(list(params), d)
         torch._foreach_add_(self.anchor, d)
 
@@ -305,7 +313,7 @@ class GASLoC(OuterUpdate):
         """What late_mix adds to theta (and to the anchor)."""
         d = torch._foreach_sub(list(mixed), list(sent))
         if self.cfg.form == "C":
-            torch._foreach_mul_(d, 1 + self.gamma * self.cfg.mix_momentum)
+            torch._foreach_mul_(d, 1 + self.gamma * self.cfg.kappa)
         return d
 
 
@@ -384,20 +392,21 @@ def make_outer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> OuterUpdate:
     return cls(cfg, params)
 
 
-class mix_applied_once:  # noqa: N801 (a context manager, used as `with mix_applied_once(outer, ...)`)
-    """Within: GASLoC form C applies this round's mixing correction once, without outer momentum (kappa = 0 for
-    this apply / late_mix only), when `once` is true: the mix decision's `momentum` False, a partner we barely know
-    (protocol/decision.py). Form C otherwise carries a correction ~1 / (1 - gamma) times its size. Other
-    algorithms and forms carry no mixing correction with momentum: nothing changes."""
+class round_mix_momentum_applied:  # noqa: N801 (a context manager: `with round_mix_momentum_applied(outer, k)`)
+    """Within: GASLoC form C carries `kappa` of this round's mixing correction on with its outer momentum (for this
+    apply / late_mix only): the round's own kappa, protocol/averaging.py round_mix_momentum (0 for a partner we
+    barely know, the mix decision's `momentum` False; else outer.mix_momentum, else the exchange's codec's, else
+    1). Form C otherwise carries a correction ~1 / (1 - gamma) times its size. Other algorithms and forms carry no
+    mixing correction with momentum: nothing changes."""
 
-    def __init__(self, outer: OuterUpdate, once: bool):
-        self.outer, self.saved = outer, None
-        self.once = once and isinstance(outer, GASLoC) and outer.cfg.form == "C"
+    def __init__(self, outer: OuterUpdate, kappa: float):
+        self.outer, self.saved, self.kappa = outer, None, kappa
+        self.active = isinstance(outer, GASLoC) and outer.cfg.form == "C" and kappa != outer.cfg.kappa
 
     def __enter__(self) -> OuterUpdate:
-        if self.once:
-            # model_copy does not validate: mix_momentum != 1 is valid here (gasloc form C)
-            self.saved, self.outer.cfg = self.outer.cfg, self.outer.cfg.model_copy(update={"mix_momentum": 0.0})
+        if self.active:
+            # model_copy does not validate: any kappa in [0, 1] is valid here (gasloc form C)
+            self.saved, self.outer.cfg = self.outer.cfg, self.outer.cfg.model_copy(update={"mix_momentum": self.kappa})
         return self.outer
 
     def __exit__(self, *exc) -> None:

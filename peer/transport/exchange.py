@@ -73,6 +73,7 @@ from gasloc.protocol.codec import (
     Codec,
     CodecError,
     check_name,
+    exchange_mix_momentum,
     exchange_mix_weight,
     probe,
     probe_numel,
@@ -188,6 +189,7 @@ class ExchangeResult:
     own_wire: list[torch.Tensor] | None = None   # ok: our tensors as the partner decoded them (None: lossless)
     codec: str = ""           # what we sent / what the partner sent, of an ok exchange, for logs
     mix_weight: float | None = None   # ok: the weight this exchange's codecs warrant (exchange_mix_weight)
+    mix_momentum: float | None = None   # ok: the kappa this exchange's codecs warrant (exchange_mix_momentum)
 
     @property
     def ok(self) -> bool:
@@ -479,7 +481,7 @@ class Exchanger:
                 offer.used = True
                 r = result(Outcome.ok, Code.OK, "", tensors, reply.round)
                 r.own_wire, r.codec = own, f"{send.name}/{theirs.name}"
-                r.mix_weight = exchange_mix_weight(send, theirs)
+                r.mix_weight, r.mix_momentum = exchange_mix_weight(send, theirs), exchange_mix_momentum(send, theirs)
                 self._remember_rate(partner, r)
                 return r
         except (TimeoutError, WireError, CodecError, *STREAM_ERRORS) as e:
@@ -627,7 +629,7 @@ class Exchanger:
                            sum(c.bytes_written for c in channels), sum(c.bytes_read for c in channels),
                            time.monotonic() - t0, detail, "responder", offer.round, request.round, len(channels),
                            own if outcome is Outcome.ok else None, f"{send.name}/{theirs.name}",
-                           exchange_mix_weight(send, theirs))
+                           exchange_mix_weight(send, theirs), exchange_mix_momentum(send, theirs))
         if r.ok:
             offer.used = True
             self._remember_rate(partner, r)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gasloc.protocol.averaging import mix_pair_, pair_weight
+from gasloc.protocol.averaging import mix_pair_, pair_weight, round_mix_momentum
 from gasloc.protocol.codec import (
     DEFAULT_CODEC,
     MIN_STEP,
@@ -55,6 +55,20 @@ def test_only_the_measured_modulo_code_brings_its_own_mix_weight():
     assert pair_weight(None, parse("mod4-sd").mix_weight) == 0.4
     assert pair_weight(None, parse("int8").mix_weight) == 0.5
     assert pair_weight(0.3, parse("mod4-sd").mix_weight) == 0.3
+
+
+def test_only_the_measured_modulo_code_brings_its_own_mix_momentum():
+    """A round's kappa (protocol/averaging.py round_mix_momentum): 0 where the mix decision withholds momentum, else
+    a configured outer.mix_momentum, else the codec's own (mod4-sd's 0.5, docs/codecs.md invocation J), else 1."""
+    assert parse("mod4-sd").mix_momentum == 0.5
+    for name in ("float32", "float16", "int8", "int4-sd", "mod4", "mod3-sd", "mod8-sd", "mod4-p25-sd", "int8-p10"):
+        assert parse(name).mix_momentum is None, name
+    assert round_mix_momentum(None, parse("mod4-sd").mix_momentum) == 0.5
+    assert round_mix_momentum(None, parse("int8").mix_momentum) == 1.0
+    assert round_mix_momentum(0.2, parse("mod4-sd").mix_momentum) == 0.2
+    assert round_mix_momentum(1.0, parse("mod4-sd").mix_momentum) == 1.0
+    assert round_mix_momentum(None, parse("mod4-sd").mix_momentum, carry=False) == 0.0
+    assert round_mix_momentum(0.7, None, carry=False) == 0.0
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int4-rn", "int3", "int2", "int8-b8", "int4-b4096"])

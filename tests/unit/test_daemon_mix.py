@@ -14,8 +14,8 @@ from gasloc.peer.daemon import Peer, _momentum
 from gasloc.peer.swarm.round_report import RoundExchange
 from gasloc.peer.train.data import build_data
 from gasloc.peer.train.model import build_model
-from gasloc.peer.train.outer import make_outer, mix_applied_once
-from gasloc.protocol.codec import exchange_mix_weight
+from gasloc.peer.train.outer import make_outer, round_mix_momentum_applied
+from gasloc.protocol.codec import exchange_mix_momentum, exchange_mix_weight
 from gasloc.protocol.codec import parse as parse_codec
 from gasloc.protocol.decision import MixJudge
 from gasloc.protocol.guard import TrustBook
@@ -113,21 +113,38 @@ def test_an_echo_is_rejected_and_a_strangers_correction_gets_no_momentum():
     assert _momentum(RoundExchange(outcome="solo"))  # nothing judged: nothing to withhold
 
 
-def test_mix_applied_once_is_kappa_zero_for_one_apply():
+def test_a_rounds_kappa_applies_to_that_apply_alone():
     params = [torch.zeros(3)]
     cfg = PeerConfig.model_validate({}).outer.model_copy(update={"momentum": 0.7, "outer_lr": 1.0})
     runs = {}
-    for once in (False, True):
+    for kappa in (1.0, 0.5, 0.0):
         o, ps = make_outer(cfg, params), [t.clone() for t in params]
         ps[0] += 0.1
         sent = o.outgoing(ps)
-        with mix_applied_once(o, once):
+        with round_mix_momentum_applied(o, kappa):
             o.apply(ps, [sent[0] + 1.0])
-        runs[once] = float(ps[0][0])
-        assert o.cfg.mix_momentum == 1.0  # restored
+        runs[kappa] = float(ps[0][0])
+        assert o.cfg.mix_momentum is None and o.cfg.kappa == 1.0  # restored
     # form C: theta = z + gamma (z - z_prev - (1 - kappa)(z - y)); z = 1.1, y = 0.1, z_prev = 0
-    assert runs[False] == pytest.approx(1.1 + 0.7 * 1.1)
-    assert runs[True] == pytest.approx(1.1 + 0.7 * 0.1)
+    assert runs[1.0] == pytest.approx(1.1 + 0.7 * 1.1)
+    assert runs[0.5] == pytest.approx(1.1 + 0.7 * 0.6)
+    assert runs[0.0] == pytest.approx(1.1 + 0.7 * 0.1)
+
+
+@pytest.mark.parametrize("codec,sent,received,configured,kappa", [
+    ("mod4-sd", "mod4-sd", "mod4-sd", None, 0.5), ("int8", "int8", "int8", None, 1.0),
+    ("mod4-sd", "int8", "int8", None, 1.0), ("mod4-sd", "mod4-sd", "mod4-sd", 0.2, 0.2),
+    ("mod4-sd", "mod4-sd", "mod4-sd", 1.0, 1.0)])
+def test_the_daemons_round_kappa_is_the_exchanges_unless_one_is_configured(codec, sent, received, configured, kappa):
+    # mod4-sd (the default) carries half of a mix's correction on (protocol/codec.py Codec.mix_momentum,
+    # docs/codecs.md J) where both sides sent it; a fallback exchange, and every other codec, all of it (the form as
+    # published): both sides alike; a configured outer.mix_momentum wins, and a partner we barely know gets none
+    p = _peer(exchange={"codec": codec}, outer={"mix_momentum": configured})
+    ex = _ex("a", [t.detach().clone() for t in p.params])
+    ex.mix_momentum = exchange_mix_momentum(parse_codec(sent), parse_codec(received))   # as the exchanger reports it
+    assert p._kappa(ex) == kappa
+    ex.guard = {"momentum": False}
+    assert p._kappa(ex) == 0.0
 
 
 @pytest.mark.parametrize("codec,sent,received,configured,pull", [

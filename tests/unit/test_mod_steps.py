@@ -84,6 +84,10 @@ def test_the_codec_and_mix_momentum_options_reach_the_run_and_fp32_keeps_its_own
     assert without["final"] != carried["final"]
     fp32 = simulate("fp32", 0, smoke, codec="mod3-sd", mix_momentum=0.0)
     assert (fp32["codec"], fp32["mix_momentum"]) == ("float32", None)
+    # mod4-sd brings its own kappa, 0.5 (protocol/codec.py Codec.mix_momentum): unset reads as 0.5 set, not as 1
+    default = simulate("as-built", 0, smoke)["final"]
+    assert default == simulate("as-built", 0, smoke, mix_momentum=0.5)["final"]
+    assert default != simulate("as-built", 0, smoke, mix_momentum=1.0)["final"]
 
 
 def test_clock_fp32_gives_the_modulo_rule_fp32s_clock_and_codec_its_own(tmp_path):

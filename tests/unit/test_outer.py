@@ -330,4 +330,6 @@ def test_mix_momentum_is_rejected_where_it_is_not_defined():
     for kwargs in ({"algorithm": "diloco"}, {"form": "A"}, {"form": "B"}, {"algorithm": "gossip"}):
         with pytest.raises(ValueError, match="mix_momentum"):
             OuterConfig(mix_momentum=0.5, **kwargs)
-    assert OuterConfig(algorithm="diloco").mix_momentum == 1.0
+    # unset: the form as published, or the exchange's codec's own (protocol/averaging.py round_mix_momentum)
+    assert OuterConfig(algorithm="diloco").mix_momentum is None and OuterConfig(algorithm="diloco").kappa == 1.0
+    assert OuterConfig(form="A", mix_momentum=1.0).kappa == 1.0   # the form as published, stated: allowed

@@ -198,7 +198,7 @@ def test_tune_h20_mix_suite_changes_one_thing_per_gasloc_run():
         assert (c.inner.inner_steps, c.rounds, c.schedule) == (20, 30, "live"), name
         assert c.inner.lr == (1e-3 if name == "lr1e-3" else 2e-3), name
     d, b, k = cfgs["default"].outer, cfgs["form-B"].outer, cfgs["g0.9-e0.5-k0.5"].outer
-    assert (d.form, d.gamma, d.eta, d.mix_momentum) == ("C", 0.7, 0.7, 1.0)
+    assert (d.form, d.gamma, d.eta, d.kappa) == ("C", 0.7, 0.7, 1.0)
     assert (b.form, b.gamma, b.eta) == ("B", 0.7, 0.7)
     assert (k.gamma, k.eta, k.mix_momentum) == (0.9, 0.5, 0.5)
     assert cfgs["lr1e-3"].outer == cfgs["default"].outer and cfgs["default"].topology == "random"

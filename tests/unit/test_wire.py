@@ -5,7 +5,7 @@ import struct
 import pytest
 import torch
 
-from gasloc.protocol.codec import exchange_mix_weight, parse, probe_numel, probe_text, sent_codec
+from gasloc.protocol.codec import exchange_mix_momentum, exchange_mix_weight, parse, probe_numel, probe_text, sent_codec
 from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import (
     PROTOCOL_VERSION,
@@ -183,6 +183,8 @@ def test_codecs_across_the_pair_a_modulo_peer_falls_back_and_a_sparse_one_needs_
     assert sent_codec(mod, parse("mod3-sd")) == int8 and sent_codec(parse("float32"), mod).name == "float32"
     assert exchange_mix_weight(mod, mod) == 0.4
     assert exchange_mix_weight(int8, int8) is None and exchange_mix_weight(int8, parse("float32")) is None
+    assert exchange_mix_momentum(mod, mod) == 0.5    # and kappa likewise: a fallback exchange runs 1 on both sides
+    assert exchange_mix_momentum(int8, int8) is None and exchange_mix_momentum(mod, int8) is None
 
 
 def test_check_state_reply():

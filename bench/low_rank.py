@@ -137,8 +137,10 @@ def run_variant(variant: str, seed: int, overrides: dict, mix_weight: float, fac
     if variant == "fp32":
         return simulate("fp32", seed, overrides, clock="fp32")
     kind, rank = parse_variant(variant)
+    # kappa 1, the form as published: the low-rank wire only borrows mod4-sd's slot in the simulator, whose own
+    # kappa (0.5, docs/codecs.md J) is for its rounding noise; H ran 1
     return simulate(variant, seed, overrides, modulo_wire=low_rank_wire(kind, rank, factor_bits),
-                    mix_weight=mix_weight, clock="fp32")
+                    mix_weight=mix_weight, clock="fp32", mix_momentum=1.0)
 
 
 def model_shapes(overrides: dict) -> list[tuple]:

@@ -123,7 +123,7 @@ class SimTrainer:
 
     def _kappa(self, i: int) -> float:
         """Worker i's kappa this round, as a live peer's (protocol/averaging.py round_mix_momentum)."""
-        return round_mix_momentum(self.cfg.outer.mix_momentum, self.codec_kappa[i], self.carry[i])
+        return round_mix_momentum(self.cfg.outer.mix_momentum, self.codec_kappa, self.carry[i])
 
     def send(self, i: int) -> int:
         self.arrive(i)  # a mix that has not arrived yet is waited for (the engine's clock charges the wait)
@@ -139,8 +139,6 @@ class SimTrainer:
         pair (the pair mean), 1/3 where either side has two partners this round."""
         degree = {i: len(ps) for i, ps in partners.items()}
         codec_w = self.codec.mix_weight if self.codec is not None else None   # only pairwise codecs have one
-        for i in partners:   # every worker runs the one codec: both sides of a pair warrant the same kappa
-            self.codec_kappa[i] = self.codec.mix_momentum if self.codec is not None else None
         if self.codec is not None and self.codec.seeded:
             self._seeded_wire(partners)
         for i, ps in partners.items():
@@ -172,7 +170,9 @@ class SimTrainer:
         self.wire: dict = dict.fromkeys(range(cfg.workers))   # i -> its wire form; (i, j): j's, as i decodes it
         self.rngs = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + i) for i in range(cfg.workers)]
         self.pair_seed = 0   # seeded codecs: counts mix rounds, for each pair's seed
-        self.codec_kappa: list[float | None] = [None] * cfg.workers   # the kappa this round's codec warrants
+        # the kappa the codec warrants (every worker runs the one codec, so both sides of a pair alike); a barrier
+        # run's all-reduce travels lossless and its pairwise rounds are solo (no correction): none there
+        self.codec_kappa = self.codec.mix_momentum if self.codec is not None and not cfg.barrier else None
 
     def _wire_of(self, i: int) -> list[torch.Tensor]:
         """What worker i's partners receive: its sent tensors without a (lossy) codec, else their wire form."""
@@ -258,8 +258,6 @@ class SimTrainer:
         return evaluate(self.eval_model, self.val[:1] if batches is None else batches)
 
     def allreduce(self, workers: list[int]) -> None:
-        for i in workers:   # the exact mean (or a configured weight) travels lossless: no codec's kappa
-            self.codec_kappa[i] = None
         if self.weight is None:  # the exact mean, computed once (every update reads `mixed` without writing it)
             mean = exact_mean([self.sent[j] for j in workers])
             for i in workers:

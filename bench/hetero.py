@@ -27,6 +27,8 @@ Runs, one after another, each with a fresh bootstrap and fresh peers for the sam
               2026-11-30 (DiLoCo's); gasloc-bw-m09-open10 adds the open share 0.1, gasloc-bw-m09-k0
               outer.mix_momentum=0 (outer momentum carries only each peer's own progress; a mix moves the model
               once, to the pair's mean)
+  gasloc-bw-k1  (optional) gasloc-bw with outer.mix_momentum=1: the default codec's mixes carried whole by the
+              outer momentum, as before the codec brought its own 0.5 (docs/codecs.md, invocation J)
 
 Schedule, as a user runs either method: the same tokens per peer per round (H inner steps of the same batch) and
 the inner lr decayed by a cosine to 0.1 of its peak over the run. A run's length is wall-clock here, so each
@@ -81,6 +83,7 @@ RUNS = {  # name -> (outer.algorithm, bandwidth-aware (None: not applicable), fu
     # gasloc-bw on another wire than the default codec (mod4-sd, 4 bits a parameter): the lossless one, and int8
     "gasloc-bw-fp32": ("gasloc", True, {"exchange.codec": "float32"}),
     "gasloc-bw-int8": ("gasloc", True, {"exchange.codec": "int8"}),
+    "gasloc-bw-k1": ("gasloc", True, {"outer.mix_momentum": "1"}),
 }
 DEFAULT_RUNS = ("gasloc-bw", "gasloc", "diloco")
 # Rounds per 180 s over which each algorithm's inner lr decays (module docstring): its peers' rounds with today's

@@ -109,3 +109,22 @@ def test_a_runs_own_decay_rounds_come_before_its_algorithms():
     for bad in ("gasloc-bw-fp64=20", "gasloc=0", "gasloc=x"):
         with pytest.raises(click.BadParameter):
             hetero.parse_decay_rounds(bad)
+
+
+def test_every_runs_settings_reach_a_valid_peer_config():
+    """Each run of bench/hetero.py is the peer's config plus env overrides: every key must name a config field and
+    every value be one the peer accepts (a typo would start six peers that exit at once), and a run's own settings
+    must reach the peer (gasloc-bw-k1: the default codec's mixes carried whole, outer.mix_momentum 1)."""
+    sys.path.insert(0, str(_path.parent))
+    import hetero
+
+    from gasloc.peer.config import PeerConfig
+    from gasloc.runtime.config import resolve
+
+    for name, (_algorithm, bw, settings) in hetero.RUNS.items():
+        env = hetero._child_env((0, 6), bw, settings)
+        cfg = resolve(PeerConfig, environ={k: v for k, v in env.items() if k.startswith("GASLOC_")})
+        if name == "gasloc-bw-k1":
+            assert cfg.outer.mix_momentum == 1.0 and cfg.exchange.codec == "mod4-sd", cfg.outer
+        if name == "gasloc-bw":
+            assert cfg.outer.mix_momentum is None, cfg.outer  # the codec's own kappa

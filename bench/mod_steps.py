@@ -4,8 +4,8 @@
     python bench/mod_steps.py --rules fp32,block --seeds 0 --rounds 2 --workers 4  # a smoke run
     python bench/mod_steps.py --rules as-built --mix-weight 0.45 --jobs 2           # mod4-sd at another weight
     python bench/mod_steps.py --rules as-built --clock fp32 --jobs 2                # with the fp32 wire's partners
-    python bench/mod_steps.py --rules as-built --codec mod3-sd --mix-momentum 0 --clock fp32 --jobs 2
-                                                                    # another codec, no momentum on the mixes
+    python bench/mod_steps.py --rules as-built --codec mod3-sd --mix-momentum 1 --clock fp32 --jobs 2
+                                                                    # another codec, its mixes carried whole
 
 The modulo rules mix with mod4-sd's own weight (0.4, protocol/codec.py; invocation E ran before it, at the pair's
 mean 0.5: `--mix-weight 0.5` runs E again), fp32 with the pair's mean, its best (docs/codecs.md invocation G); and
@@ -42,8 +42,8 @@ earlier, the live schedule's partners differ from fp32's, and the pairing mixes 
 
 `--codec` runs another codec of protocol/codec.py as the as-built rule (the other rules are mod4-sd's arithmetic
 written here), and `--mix-momentum` sets outer.mix_momentum (kappa, docs/algorithms.md: the share of a mix's
-correction the outer momentum carries on; by default the codec's own: 0.5 for mod4-sd, 1, the form as published,
-for every other) for every rule but fp32, which keeps its default (1) as it keeps the pair's mean.
+correction the outer momentum carries on; by default the codec's own: 0.5 for mod4-sd, 0 for mod3-sd, int8-p10 and
+mod8-p12-sd, 1, the form as published, for every other) for every rule but fp32, which keeps its default (1) as it keeps the pair's mean.
 
 Every rule but fp32 and as-built replaces the simulator's modulo exchange (sim/trainer.py `_modulo_wire`) with the
 same arithmetic written here: both sides round y / step with the exchange's shared dither, send the integers modulo
@@ -279,7 +279,8 @@ def clock_option(f):
               help="the codec of the as-built rule, any name protocol/codec.py reads (the other rules are mod4-sd's)")
 @click.option("--mix-momentum", type=click.FloatRange(0, 1), default=None,
               help="kappa (outer.mix_momentum) of every rule but fp32: the share of a mix's correction the outer "
-                   "momentum carries on (default: the codec's own, 0.5 for mod4-sd; else 1, the form as published)")
+                   "momentum carries on (default: the codec's own, protocol/codec.py MIX_MOMENTUM; else 1, the form "
+                   "as published)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def main(rules: str, seeds: str, jobs: int, rounds: int | None, workers: int | None, mix_weight: float | None,
          clock: str, sign_range: float, codec: str, mix_momentum: float | None, json_path: str | None) -> None:

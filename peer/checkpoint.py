@@ -343,7 +343,7 @@ def read_checkpoint(path: Path, fingerprint: str | None = None) -> tuple[dict, d
         raise CheckpointError(f"format version {record.get('version')} (this gasloc reads {VERSION})")
     if fingerprint is not None and record.get("fingerprint") != fingerprint:
         raise CheckpointError(f"config fingerprint {record.get('fingerprint')} differs from this run's "
-                              f"{fingerprint} (model, tokenizer or algorithm changed)")
+                              f"{fingerprint} (model, tokenizer, algorithm, mixing or protocol version changed)")
     try:
         info = record["files"][STATE_FILE]
         expected_sha, expected_bytes = str(info["sha256"]), int(info["bytes"])

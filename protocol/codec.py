@@ -66,7 +66,7 @@ import base64
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -89,12 +89,18 @@ DEFAULT_CODEC = "mod4-sd"
 # (docs/codecs.md invocation G): 0.35 +1.6 %, 0.4 +0.4 %, 0.45 +1.3 %, 0.5 +1.15 % over fp32; 0.4 halves the
 # consensus distance
 MODULO4_MIX_WEIGHT = 0.4
-# kappa (outer.mix_momentum, form C) a dense 4-bit modulo exchange runs where outer.mix_momentum is unset (1, the
-# form as published, otherwise): the outer momentum carries on only half of such a mix's correction, and with it
-# half of its rounding noise. Measured on fp32's partners over ten seeds (docs/codecs.md invocation J): 0.5 ended
-# below 1 on every seed, by 0.51 +- 0.11 % (+0.39 % over fp32 against +0.91 %); 0 cost more than 1 (+1.4 % against
-# +1.0 % on seeds 0-2)
-MODULO4_MIX_MOMENTUM = 0.5
+# kappa (outer.mix_momentum, form C) an exchange of one of these codecs runs where outer.mix_momentum is unset (1, the
+# form as published, for every other codec), from docs/codecs.md invocation J, on fp32's partners. The outer
+# momentum carries on that share of a mix's correction, and with it that share of the codec's rounding noise:
+# - mod4-sd (the default) 0.5: below 1 on each of ten seeds, by 0.51 +- 0.11 % (+0.39 % over fp32 against +0.91 %);
+#   0 cost more than 1 (+1.4 % against +1.0 % on seeds 0-2)
+# - mod3-sd 0: +1.8 % over fp32 on seeds 0-2 against +14.8 % at 1 (+9.9 % at 0.5, seed 0); at 1 the momentum drives
+#   a spiral of overshoots that the guard clips and rejects
+# - int8-p10, mod8-p12-sd 0: +18.3 % (seeds 0-2) and +18.5 % (seed 0) against +33.8 % and +35.9 % at 1 (invocations
+#   C and F, seeds 0-2): a sparse code's block goes unmixed for rounds after the momentum carried it past its mean
+# Measured and left at 1: mod2-p50-sd and sign1 read the same at 0 and 1 (the guard gives their mixes no momentum);
+# mod3-p33-sd 0 -1.2 % against 1 on one seed, within a seed's noise.
+MIX_MOMENTUM = {"mod4-sd": 0.5, "mod3-sd": 0.0, "int8-p10": 0.0, "mod8-p12-sd": 0.0}
 DEFAULT_BLOCK = 64
 CASTS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BLOCK_BITS = (2, 3, 4, 8)
@@ -158,8 +164,9 @@ class Codec:
     @property
     def mix_momentum(self) -> float | None:
         """kappa (outer.mix_momentum) this codec's rounding warrants where outer.mix_momentum is unset (None: 1, the
-        form as published). Set only where measured, as mix_weight."""
-        return MODULO4_MIX_MOMENTUM if self._measured_modulo4 else None
+        form as published). Set only where measured (MIX_MOMENTUM), by what the name stands for: int8-b64-p10-sr is
+        int8-p10."""
+        return _MIX_MOMENTUM_BY_FORM.get(replace(self, name=""))
 
     @property
     def _measured_modulo4(self) -> bool:
@@ -525,6 +532,10 @@ def _parse(name: str) -> Codec:
         raise CodecError(f"codec {name!r}: -p{pct}, the share of blocks sent must be 1..99 percent")
     return Codec(name, bits=bits, block=block, stochastic=m["rounding"] != "rn", percent=pct,
                  shared=m["rounding"] == "sd")
+
+
+# MIX_MOMENTUM by what each name stands for (Codec.mix_momentum)
+_MIX_MOMENTUM_BY_FORM = {replace(_parse(name), name=""): kappa for name, kappa in MIX_MOMENTUM.items()}
 
 
 def sent_codec(own: Codec, other: Codec) -> Codec:

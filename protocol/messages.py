@@ -32,7 +32,10 @@ def check_run_id(v: str) -> str:
 # 2: membership records may be signed with Ed25519 identities (peer/swarm/ed25519.py), which peers of protocol 1
 # refuse to hold; each side sees the other's records as another protocol (Network._check_protocols)
 # 3: exchange headers name a codec (protocol/codec.py) instead of a wire dtype, and an OK reply carries a seed
-PROTOCOL_VERSION = 3
+# 4: a mix's outer momentum carries the share its codec brings (protocol/codec.py MIX_MOMENTUM: 0.5 for the default
+# mod4-sd, 0 for mod3-sd and two sparse codes), where peers of 3 carried all of it for every codec but mod4-sd: two
+# sides that carry different shares move the swarm's mean, so the two do not pair
+PROTOCOL_VERSION = 4
 
 # dtypes a tensor may have in a header, with their size in bytes. Anything else is BAD_DTYPE.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

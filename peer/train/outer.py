@@ -87,7 +87,8 @@ class OuterConfig(BaseModel):
                                        "= form C (equals DiLoCo on the complete graph), 0 = momentum on the local "
                                        "progress only, the mix applied once; the swarm mean follows DiLoCo's path "
                                        "for every value; default: the exchange's codec's own where it has one "
-                                       "(mod4-sd: 0.5, protocol/codec.py), else 1")
+                                       "(mod4-sd: 0.5; mod3-sd, int8-p10, mod8-p12-sd: 0; protocol/codec.py "
+                                       "MIX_MOMENTUM), else 1")
     overlap: bool = Field(False, description="one-round-delayed mixing (gasloc, gossip): each round applies its "
                           "outer step at once as if solo and adds the partner's contribution when the exchange "
                           "lands, so the exchange runs during the next round's inner steps; more tokens/s, some "

@@ -57,11 +57,15 @@ def test_only_the_measured_modulo_code_brings_its_own_mix_weight():
     assert pair_weight(0.3, parse("mod4-sd").mix_weight) == 0.3
 
 
-def test_only_the_measured_modulo_code_brings_its_own_mix_momentum():
+def test_only_the_measured_codecs_bring_their_own_mix_momentum():
     """A round's kappa (protocol/averaging.py round_mix_momentum): 0 where the mix decision withholds momentum, else
-    a configured outer.mix_momentum, else the codec's own (mod4-sd's 0.5, docs/codecs.md invocation J), else 1."""
+    a configured outer.mix_momentum, else the codec's own (docs/codecs.md invocation J: mod4-sd 0.5; mod3-sd and the
+    sparse int8-p10 and mod8-p12-sd 0), else 1. A codec is known by what its name stands for, not by its spelling."""
     assert parse("mod4-sd").mix_momentum == 0.5
-    for name in ("float32", "float16", "int8", "int4-sd", "mod4", "mod3-sd", "mod8-sd", "mod4-p25-sd", "int8-p10"):
+    for name in ("mod3-sd", "int8-p10", "int8-b64-p10-sr", "mod8-p12-sd"):
+        assert parse(name).mix_momentum == 0.0, name
+    for name in ("float32", "float16", "int8", "int4-sd", "mod4", "mod3", "mod8-sd", "mod4-p25-sd", "mod2-p50-sd",
+                 "int8-p10-rn", "int8-b32-p10", "int8-p11", "mod8-p12"):
         assert parse(name).mix_momentum is None, name
     assert round_mix_momentum(None, parse("mod4-sd").mix_momentum) == 0.5
     assert round_mix_momentum(None, parse("int8").mix_momentum) == 1.0

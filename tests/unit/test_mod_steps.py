@@ -77,11 +77,12 @@ def test_the_codec_and_mix_momentum_options_reach_the_run_and_fp32_keeps_its_own
     # five rounds of one pair: past guard.known_after's three accepted mixes, from where the outer momentum may
     # carry a correction, so kappa changes the run; the same run and seed otherwise
     smoke = {"rounds": 5, "workers": 2, "inner.inner_steps": 4}
-    without = simulate("as-built", 0, smoke, codec="mod3-sd", mix_momentum=0.0)
-    carried = simulate("as-built", 0, smoke, codec="mod3-sd")
-    assert without["codec"] == carried["codec"] == "mod3-sd"
-    assert (without["mix_momentum"], carried["mix_momentum"]) == (0.0, None)
-    assert without["final"] != carried["final"]
+    # mod3-sd brings kappa 0 (protocol/codec.py MIX_MOMENTUM): --mix-momentum 1 carries its corrections whole
+    own = simulate("as-built", 0, smoke, codec="mod3-sd")
+    carried = simulate("as-built", 0, smoke, codec="mod3-sd", mix_momentum=1.0)
+    assert own["codec"] == carried["codec"] == "mod3-sd"
+    assert (own["mix_momentum"], carried["mix_momentum"]) == (None, 1.0)
+    assert own["final"] != carried["final"]
     fp32 = simulate("fp32", 0, smoke, codec="mod3-sd", mix_momentum=0.0)
     assert (fp32["codec"], fp32["mix_momentum"]) == ("float32", None)
     # mod4-sd brings its own kappa, 0.5 (protocol/codec.py Codec.mix_momentum): unset reads as 0.5 set, not as 1

@@ -185,6 +185,9 @@ def test_codecs_across_the_pair_a_modulo_peer_falls_back_and_a_sparse_one_needs_
     assert exchange_mix_weight(int8, int8) is None and exchange_mix_weight(int8, parse("float32")) is None
     assert exchange_mix_momentum(mod, mod) == 0.5    # and kappa likewise: a fallback exchange runs 1 on both sides
     assert exchange_mix_momentum(int8, int8) is None and exchange_mix_momentum(mod, int8) is None
+    mod3, sparse = parse("mod3-sd"), parse("int8-p10")      # kappa 0 where both sent one of these, 1 past a fallback
+    assert exchange_mix_momentum(mod3, mod3) == 0.0 and exchange_mix_momentum(sparse, sparse) == 0.0
+    assert exchange_mix_momentum(sent_codec(mod3, int8), int8) is None
 
 
 def test_check_state_reply():

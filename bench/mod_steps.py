@@ -43,7 +43,8 @@ earlier, the live schedule's partners differ from fp32's, and the pairing mixes 
 `--codec` runs another codec of protocol/codec.py as the as-built rule (the other rules are mod4-sd's arithmetic
 written here), and `--mix-momentum` sets outer.mix_momentum (kappa, docs/algorithms.md: the share of a mix's
 correction the outer momentum carries on; by default the codec's own: 0.5 for mod4-sd, 0 for mod3-sd, int8-p10 and
-mod8-p12-sd, 1, the form as published, for every other) for every rule but fp32, which keeps its default (1) as it keeps the pair's mean.
+mod8-p12-sd, 1, the form as published, for every other) for every rule but fp32, which keeps its default (1) as it
+keeps the pair's mean.
 
 Every rule but fp32 and as-built replaces the simulator's modulo exchange (sim/trainer.py `_modulo_wire`) with the
 same arithmetic written here: both sides round y / step with the exchange's shared dither, send the integers modulo

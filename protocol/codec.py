@@ -82,13 +82,13 @@ from gasloc.protocol.messages import MAX_CODEC_CHARS
 # Blockwise rounding of the weights themselves at 4 bits costs 2.9-11.7 % (noise of ~14 % of a weight a mix, five
 # times the partners' distance); int8 (8.25 bits) was the default before
 DEFAULT_CODEC = "mod4-sd"
-# the weight per partner a dense 4-bit modulo code mixes with where outer.mix_weight is unset (the pair's mean, 0.5,
-# otherwise). Its decoded difference carries rounding noise of about a sixth of the difference's square (a step is
-# the difference's RMS), and the pair's mean takes that noise in whole: pulling each side by less leaves part of the
-# difference but less of the noise (for a noise share r the pair ends closest at 0.5 / (1 + r), about 0.43). Measured
-# (docs/codecs.md invocation G): 0.35 +1.6 %, 0.4 +0.4 %, 0.45 +1.3 %, 0.5 +1.15 % over fp32; 0.4 halves the
-# consensus distance
-MODULO4_MIX_WEIGHT = 0.4
+# the weight per partner an exchange of one of these codecs mixes with where outer.mix_weight is unset (the pair's
+# mean, 0.5, for every other codec). mod4-sd 0.4: its decoded difference carries rounding noise of about a sixth of
+# the difference's square (a step is the difference's RMS), and the pair's mean takes that noise in whole: pulling
+# each side by less leaves part of the difference but less of the noise (for a noise share r the pair ends closest at
+# 0.5 / (1 + r), about 0.43). Measured (docs/codecs.md invocation G): 0.35 +1.6 %, 0.4 +0.4 %, 0.45 +1.3 %, 0.5
+# +1.15 % over fp32; 0.4 halves the consensus distance
+MIX_WEIGHT = {"mod4-sd": 0.4}
 # kappa (outer.mix_momentum, form C) an exchange of one of these codecs runs where outer.mix_momentum is unset (1, the
 # form as published, for every other codec), from docs/codecs.md invocation J, on fp32's partners. The outer
 # momentum carries on that share of a mix's correction, and with it that share of the codec's rounding noise:
@@ -156,21 +156,22 @@ class Codec:
     @property
     def mix_weight(self) -> float | None:
         """The weight per partner this codec's rounding warrants where outer.mix_weight is unset (None: the pair's
-        mean). Set only where measured: the dense 4-bit modulo code with the shared dither. Both sides of a modulo
-        exchange run the same codec (any other is BAD_DTYPE), so both pull by the same weight and the pair's mean
-        stays exact."""
-        return MODULO4_MIX_WEIGHT if self._measured_modulo4 else None
+        mean). Set only where measured (MIX_WEIGHT), by what the name stands for, as mix_momentum. Both sides of a
+        modulo exchange run the same codec (any other is BAD_DTYPE), so both pull by the same weight and the pair's
+        mean stays exact."""
+        return _MIX_WEIGHT_BY_FORM.get(self._form)
 
     @property
     def mix_momentum(self) -> float | None:
         """kappa (outer.mix_momentum) this codec's rounding warrants where outer.mix_momentum is unset (None: 1, the
         form as published). Set only where measured (MIX_MOMENTUM), by what the name stands for: int8-b64-p10-sr is
         int8-p10."""
-        return _MIX_MOMENTUM_BY_FORM.get(replace(self, name=""))
+        return _MIX_MOMENTUM_BY_FORM.get(self._form)
 
     @property
-    def _measured_modulo4(self) -> bool:
-        return self.modulo and self.shared and self.bits == 4 and not self.sparse
+    def _form(self) -> Codec:
+        """What the name stands for: the codec without its name (int8-b64-p10-sr and int8-p10 share one)."""
+        return replace(self, name="")
 
     @property
     def sparse(self) -> bool:
@@ -534,8 +535,9 @@ def _parse(name: str) -> Codec:
                  shared=m["rounding"] == "sd")
 
 
-# MIX_MOMENTUM by what each name stands for (Codec.mix_momentum)
-_MIX_MOMENTUM_BY_FORM = {replace(_parse(name), name=""): kappa for name, kappa in MIX_MOMENTUM.items()}
+# MIX_WEIGHT and MIX_MOMENTUM by what each name stands for (Codec.mix_weight, Codec.mix_momentum)
+_MIX_WEIGHT_BY_FORM = {_parse(name)._form: weight for name, weight in MIX_WEIGHT.items()}
+_MIX_MOMENTUM_BY_FORM = {_parse(name)._form: kappa for name, kappa in MIX_MOMENTUM.items()}
 
 
 def sent_codec(own: Codec, other: Codec) -> Codec:

@@ -42,8 +42,15 @@ The swarm's mean validation loss at time t is the mean over peers of each peer's
 (the start event's initial_loss counts as its first). The clock of a run starts when every peer has printed READY.
 Target = the highest final mean loss over the runs + --target-margin, so every run reaches it.
 
+--repeats N makes every run N times, the order of the runs reversed every other time (ABC, CBA, ABC, ...): two runs
+of one swarm made one after another differed by up to 3 % in loss, the later one lower in four invocations and
+higher in the next (docs/codecs.md, L4-L8), so a single pair of close runs can read either way. Each repetition
+is compared with DiLoCo's run of the same repetition, and the verdict reads each run's median time to target
+against DiLoCo's median.
+
     sudo python bench/hetero.py --json hetero.json           # 3 runs x 180 s, about 12 min
     sudo python bench/hetero.py --quick                      # 3 runs x 45 s, a smoke run
+    sudo python bench/hetero.py --runs gasloc-bw,gasloc-bw-k1 --repeats 4   # 8 runs, medians of 4 each
     sudo python bench/hetero.py --cleanup                    # remove leftovers of a crashed earlier run
 
 Everything it creates (namespaces, links, processes, their sockets) is removed afterwards, also on Ctrl+C,
@@ -186,7 +193,20 @@ def _child_env(shard: tuple[int, int] | None = None, bandwidth_aware: bool | Non
     return env
 
 
-def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_config: Path) -> RunResult:
+def run_order(names: list[str], repeats: int) -> list[tuple[str, int]]:
+    """(run, repetition) in the order they run: the runs as given, then reversed, and so on, so each run takes each
+    place in turn (the module docstring says why). Repetition 0: the runs are made once."""
+    if repeats == 1:
+        return [(n, 0) for n in names]
+    return [(n, k + 1) for k in range(repeats) for n in (names if k % 2 == 0 else names[::-1])]
+
+
+def run_label(name: str, repeat: int) -> str:
+    return f"{name}#{repeat}" if repeat else name
+
+
+def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_config: Path,
+            repeat: int = 0) -> RunResult:
     """One swarm: bootstrap + peers for s.duration_s after all are READY; returns its metrics, analysed."""
     from gasloc.runtime.procs import gasloc_argv
 
@@ -194,9 +214,10 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
     total = s.total_steps(algorithm, name)
     if total is not None and "inner.total_steps" not in settings:
         settings = {**settings, "inner.total_steps": str(total)}
-    run_dir = out / name
-    run_id = f"hetero-{name}-{os.getpid()}"
-    names = [f"{name}/boot"] + [f"{name}/p{i}" for i in range(s.peers)]
+    label = run_label(name, repeat)
+    run_dir = out / (f"{name}-{repeat}" if repeat else name)
+    run_id = f"hetero-{name}-{repeat}-{os.getpid()}"
+    names = [f"{label}/boot"] + [f"{label}/p{i}" for i in range(s.peers)]
     try:
         boot = sup.start(names[0], star.exec_argv("boot", gasloc_argv(
             "bootstrap", "--run-id", run_id, "--host-maddrs", f"/ip4/{star.ip('boot')}/tcp/0",
@@ -214,20 +235,22 @@ def run_one(name: str, sup, star: netlab.Star, s: Settings, out: Path, peer_conf
         for p in peers:
             sup.wait_ready(p, s.ready_timeout_s)
         t0 = time.time()
-        click.echo(f"[{name}] {s.peers} peers ready; running {s.duration_s:.0f} s")
+        click.echo(f"[{label}] {s.peers} peers ready; running {s.duration_s:.0f} s")
         end = time.monotonic() + s.duration_s
         while time.monotonic() < end:
             for p in [boot, *peers]:
                 if p.poll() is not None:
-                    raise BenchError(f"[{name}] {p.name} exited with code {p.poll()} during the run; log "
+                    raise BenchError(f"[{label}] {p.name} exited with code {p.poll()} during the run; log "
                                      f"{p.log_path}:\n{p.log_tail()}")
             time.sleep(0.5)
         t_end = time.time()
     finally:
         sup.stop_all(s.stop_grace_s, names=[n for n in names if n in sup.children])
     fast = {f"p{i}" for i in range(s.peers) if i % 2 == 0}
-    return analyse_run(name, algorithm, bw, {f"p{i}": run_dir / f"p{i}" / "metrics.jsonl" for i in range(s.peers)},
-                       fast, t0, t_end)
+    metrics = {f"p{i}": run_dir / f"p{i}" / "metrics.jsonl" for i in range(s.peers)}
+    result = analyse_run(label, algorithm, bw, metrics, fast, t0, t_end)
+    result.repeat, result.base = repeat, name
+    return result
 
 
 def parse_decay_rounds(text: str) -> tuple[tuple[str, float], ...]:
@@ -267,6 +290,9 @@ def loadavg() -> str:
               "crashed earlier run, then exit")
 @click.option("--runs", default=",".join(DEFAULT_RUNS), show_default=True,
               help=f"comma-separated, from {', '.join(RUNS)}")
+@click.option("--repeats", type=click.IntRange(1, 20), default=1, show_default=True,
+              help="make every run this many times, the runs' order reversed every other time; the verdict then "
+              "reads each run's median")
 @click.option("--peers", type=click.IntRange(2, 16), default=6, show_default=True)
 @click.option("--duration-s", type=click.FloatRange(10), help="seconds per run after all peers are ready "
               "[180; --quick 45]")
@@ -282,9 +308,17 @@ def loadavg() -> str:
 @click.option("--peer-config", type=click.Path(exists=True, dir_okay=False), help="TOML for every peer instead "
               "of the built-in one (the benchmark still sets algorithm, run id, addresses, shard, weighting)")
 @click.option("--out-dir", type=click.Path(file_okay=False), help="logs and metrics [runs/hetero-<time>]")
-def main(json_out, quick, cleanup_only, runs, peers, duration_s, fast_mbit, slow_mbit, inner_steps, decay_rounds,
-         target_margin, peer_config, out_dir) -> None:
+def main(json_out, quick, cleanup_only, runs, repeats, peers, duration_s, fast_mbit, slow_mbit, inner_steps,
+         decay_rounds, target_margin, peer_config, out_dir) -> None:
     """GASLoC vs DiLoCo on real peers with half the links 10x slower: time to a common target loss."""
+    names = [r.strip() for r in runs.split(",") if r.strip()]
+    bad = [r for r in names if r not in RUNS]
+    if bad or not names:
+        raise click.BadParameter(f"unknown run(s) {bad}; choose from {', '.join(RUNS)}", param_hint="--runs")
+    twice = sorted({r for r in names if names.count(r) > 1})
+    if twice:   # the two would share a run directory and a label; --repeats makes a run again, in both orders
+        raise click.BadParameter(f"{', '.join(twice)} listed more than once; --repeats N makes every run N times",
+                                 param_hint="--runs")
     why = netlab.unavailable_reason()
     if why is not None:
         raise click.ClickException(f"this benchmark {why}")
@@ -292,10 +326,6 @@ def main(json_out, quick, cleanup_only, runs, peers, duration_s, fast_mbit, slow
         removed = netlab.cleanup(TAG)
         click.echo(f"removed {len(removed)} namespaces" + (f": {' '.join(removed)}" if removed else ""))
         return
-    names = [r.strip() for r in runs.split(",") if r.strip()]
-    bad = [r for r in names if r not in RUNS]
-    if bad or not names:
-        raise click.BadParameter(f"unknown run(s) {bad}; choose from {', '.join(RUNS)}", param_hint="--runs")
     s = Settings(peers, duration_s or (45.0 if quick else 180.0), fast_mbit, slow_mbit, inner_steps,
                  parse_decay_rounds(decay_rounds))
     out = Path(out_dir or f"runs/hetero-{datetime.now():%Y%m%d-%H%M%S}").resolve()
@@ -323,11 +353,12 @@ def main(json_out, quick, cleanup_only, runs, peers, duration_s, fast_mbit, slow
         links = probe_links(star, s)
         click.echo("measured links: " + ", ".join(f"{k} {v:.1f} Mbit/s" for k, v in links.items()))
         sup = Supervisor()
-        for name in names:
-            loads[name] = [loadavg()]
-            click.echo(f"[{name}] starting (load average {loads[name][0]})")
-            results.append(run_one(name, sup, star, s, out, Path(peer_config).resolve()))
-            loads[name].append(loadavg())
+        for name, repeat in run_order(names, repeats):
+            label = run_label(name, repeat)
+            loads[label] = [loadavg()]
+            click.echo(f"[{label}] starting (load average {loads[label][0]})")
+            results.append(run_one(name, sup, star, s, out, Path(peer_config).resolve(), repeat))
+            loads[label].append(loadavg())
     except Interrupted as e:
         error = f"interrupted by {e}"
     except (BenchError, netlab.NetlabError) as e:
@@ -354,9 +385,9 @@ def main(json_out, quick, cleanup_only, runs, peers, duration_s, fast_mbit, slow
         sys.exit(1)
 
     target = pick_target(results, target_margin)
-    settings = {**s.__dict__, "target_margin": target_margin, "peer_config": Path(peer_config).read_text(),
-                "load_before": load_before, "load_after": loadavg(), "load_per_run": loads,
-                "links_measured_mbit": links, "out_dir": str(out)}
+    settings = {**s.__dict__, "repeats": repeats, "target_margin": target_margin,
+                "peer_config": Path(peer_config).read_text(), "load_before": load_before, "load_after": loadavg(),
+                "load_per_run": loads, "links_measured_mbit": links, "out_dir": str(out)}
     report, doc = format_report(results, target, settings)
     click.echo(report)
     if json_out:

@@ -169,24 +169,13 @@ SHM_MANAGER = "torch_shm_manag"   # torch_shm_manager as /proc names it (15 char
 DESCENDANTS_GONE_S = 30.0
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
 def group_cpu_s(pgids: list[int]) -> dict[str, float]:
     """CPU seconds used so far by the live processes of some process groups (workers with their p2pd, DHT and
     averager children), by kind: "p2pd" or "python"."""
     out = {"p2pd": 0.0, "python": 0.0}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            head, tail = Path(entry.path, "stat").read_text().rsplit(")", 1)
-        except OSError:
-            continue      # exited meanwhile
-        fields = tail.split()
-        if int(fields[2]) in pgids:                               # field 5 of stat: pgrp
-            kind = "p2pd" if head.endswith("(p2pd") else "python"
-            out[kind] += (int(fields[11]) + int(fields[12])) / _TICK   # fields 14, 15: utime, stime
+    for st in process_table().values():
+        if st.pgid in pgids:
+            out["p2pd" if st.comm == "p2pd" else "python"] += st.cpu_s
     return out
 
 

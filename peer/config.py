@@ -141,8 +141,9 @@ class SwarmConfig(_Section):
                                    "is over is cut (behind resyncs, donor choice, the round and lr a joiner takes)")
     round_claim_speedup: float = Field(4.0, gt=0, description="how many times faster than us another peer's "
                                        "rounds may advance before its claims are cut (round_claim_slack)")
-    join_timeout_s: float = Field(120.0, gt=0, description="give up downloading the state after this long and "
-                                  "start from a fresh model")
+    join_timeout_s: float = Field(120.0, gt=0, description="give up downloading the state after this long, plus "
+                                  "each candidate donor's payload time at state_transfer.min_rate_mbit (a 1b model "
+                                  "does not travel in 120 s on a home link), and start from a fresh model")
     join_listing_wait_s: float = Field(3.0, ge=0, description="a joiner whose first listing names no other peer "
                                        "although initial peers are set lists again for up to this long before it "
                                        "starts from the seed model (its DHT node may not know the swarm yet)")
@@ -246,7 +247,8 @@ class FaultConfig(_Section):
                                      "mid-round")
     oom_at_round: int | None = Field(None, ge=1, description="in this round raise torch's out-of-memory error "
                                      "after the first inner step (an OOM mid-round: the peer must end, not loop)")
-    fork_at_round: int | None = Field(None, ge=1, description="in this round (once per process) move the "
+    fork_at_round: int | None = Field(None, ge=1, description="in this round, or the first one after it that the "
+                                      "peer trains (once per process), move the "
                                       "parameters and the outer anchor alike by Gaussian noise of fork_scale x each "
                                       "tensor's RMS after the first inner step: a model that parted from its group's "
                                       "(a bad restore, a bit flip), which DiLoCo's group check must catch")

@@ -321,7 +321,13 @@ class Peer:
         on a lucky batch, a state fitted to the shared validation batch (donor-tuned: 1 in 12 joins). A resync's
         must be no worse than our trained model by guard.val_margin. With swarm.join_cross_check a second donor's
         state is downloaded too, and the two are compared by distance (protocol/donors.py cross_check). The round
-        taken over is the lower of the donors' rounds, cut to what we believe of the donor (protocol/claims.py)."""
+        taken over is the lower of the donors' rounds, cut to what we believe of the donor (protocol/claims.py).
+
+        A stop signal gives the download up (None: we keep, and checkpoint, the state we hold): a donor that
+        trickles its state, or several in turn, would otherwise hold the stop for its whole join budget, past the
+        grace a supervisor gives (docker's 10 s by default) and into a SIGKILL that loses every unsaved round. A
+        state already checked is dropped too: adopted without the second donor's cross-check it would be one
+        donor's word, and a restarted peer catches up anyway (_catch_up_at_resume)."""
         swarm = self.cfg.swarm
         checks = private_batches(self.data, swarm.join_check_batches)
         own_loss = self._evaluate_at(self.params, checks)
@@ -330,8 +336,9 @@ class Peer:
         outer_of: dict[str, list[torch.Tensor]] = {}  # DiLoCo: each donor's outer state (its momentum)
         trust = self._lowered_trust()   # no partner is judged while we download: one reading for every donor
         for _ in range(swarm.join_donor_pool + (1 if swarm.join_cross_check else 0)):
-            got = self.net.download_state(self.params, self.outer, exclude=tried, first=donors_first, trust=trust)
-            if got is None:
+            got = self.net.download_state(self.params, self.outer, exclude=tried, first=donors_first, trust=trust,
+                                          stop=self.stopping)
+            if got is None or self.stopping.is_set():
                 break
             donor, metadata, params = got
             tried.add(donor)
@@ -348,6 +355,10 @@ class Peer:
             outer_of[donor] = metadata.get("outer_tensors") or []
             if len(states) == (2 if swarm.join_cross_check else 1):
                 break
+        if self.stopping.is_set():
+            log.info("join: stopping; %d checked state%s given up, the state we hold is kept", len(states),
+                     "" if len(states) == 1 else "s")
+            return None
         if not states:
             return None
         donor, _, params, _ = states[0]
@@ -424,7 +435,8 @@ class Peer:
         self.net.refresh_listing()
         donor = self._adopt_swarm_state(donors_first)
         if donor is None:
-            log.warning("resync (%s): no state downloaded; mixing our own model back in", reason)
+            if not self.stopping.is_set():  # else given up for the stop (_adopt_swarm_state said so)
+                log.warning("resync (%s): no state downloaded; mixing our own model back in", reason)
             self._set_state("training")
             return False
         self.net.round_boundary(self.snapshot)

@@ -65,7 +65,8 @@ class FaultInjector(NoFault):
         if self.cfg.oom_at_round == round_in_progress:
             # what torch raises when an allocation fails on the device (CUDA) mid-round
             raise torch.OutOfMemoryError(f"fault: simulated out of memory in round {round_in_progress}")
-        if self.cfg.fork_at_round == round_in_progress and not self.fork_fired:
+        # at or after: a round skipped by a state download (a resync from round 2 to 5) still gets its fork
+        if self.cfg.fork_at_round is not None and round_in_progress >= self.cfg.fork_at_round and not self.fork_fired:
             self.fork_fired = True
             log.warning("fault: the model and its anchor moved by %g x RMS in round %d (a fork)", self.cfg.fork_scale,
                         round_in_progress)

@@ -21,6 +21,10 @@ T = TypeVar("T")
 POLL_S = 0.5
 
 
+class Stopped(Exception):
+    """The wait was given up because its `stop` event was set (a stop signal): the coroutine was cancelled."""
+
+
 class LoopThread:
     def __init__(self, name: str = "gasloc-aio"):
         self.loop = uvloop.new_event_loop()
@@ -41,17 +45,19 @@ class LoopThread:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None,
+            stop: threading.Event | None = None) -> T:
         """Run `coro` on the loop and wait for it. After `timeout` seconds of waiting the coroutine is cancelled and
-        TimeoutError raised.
+        TimeoutError raised; once `stop` is set (checked every POLL_S) it is cancelled and Stopped raised.
 
         Time while this process was frozen (SIGSTOP, a suspended laptop) does not count: the wait advances in
         steps of at most POLL_S * 2, so after a resume the coroutine's own deadlines decide, not this safety net.
         """
-        return self.wait(self.submit(coro), timeout)
+        return self.wait(self.submit(coro), timeout, stop)
 
-    def wait(self, fut: concurrent.futures.Future[T], timeout: float | None = None) -> T:
-        """Wait for a submitted coroutine's result, as `run()` does (same timeout and frozen-time rules)."""
+    def wait(self, fut: concurrent.futures.Future[T], timeout: float | None = None,
+             stop: threading.Event | None = None) -> T:
+        """Wait for a submitted coroutine's result, as `run()` does (same timeout, stop and frozen-time rules)."""
         waited = 0.0
         while True:
             t = time.monotonic()
@@ -59,6 +65,9 @@ class LoopThread:
                 return fut.result(POLL_S)
             except concurrent.futures.TimeoutError:
                 waited += min(time.monotonic() - t, 2 * POLL_S)
+                if stop is not None and stop.is_set():
+                    fut.cancel()
+                    raise Stopped("stop requested") from None
                 if timeout is not None and waited >= timeout:
                     fut.cancel()
                     raise TimeoutError(f"coroutine did not finish within {timeout} s") from None

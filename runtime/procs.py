@@ -100,6 +100,9 @@ class StopSignals:
 
 
 # ----------------------------------------------------------------------------------------------------- /proc
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True)
 class Stat:
     pid: int
@@ -108,6 +111,7 @@ class Stat:
     state: str
     start_ticks: int  # process start time since boot: with the PID it names one process, even after PID reuse
     comm: str
+    cpu_s: float      # user + system CPU seconds so far (fields 14 and 15, in clock ticks)
 
 
 def read_stat(pid: int) -> Stat | None:
@@ -118,7 +122,8 @@ def read_stat(pid: int) -> Stat | None:
     # comm is in parentheses and may itself contain spaces or ')'
     comm = raw[raw.index("(") + 1: raw.rindex(")")]
     rest = raw[raw.rindex(")") + 2:].split()
-    return Stat(pid, int(rest[1]), int(rest[2]), rest[0], int(rest[19]), comm)
+    return Stat(pid, int(rest[1]), int(rest[2]), rest[0], int(rest[19]), comm,
+                (int(rest[11]) + int(rest[12])) / _CLK_TCK)
 
 
 def process_table() -> dict[int, Stat]:

@@ -23,11 +23,12 @@ Failure semantics, per round (`average` returns only when one holds):
   steps while we refuse ours: we are then behind (below). The averager's buffers are scratch space: ours are copied
   in before each attempt and the mean copied out only on success, so a partial reduction is never applied.
 - behind: the other training peers' median announced round is past our epoch (they stepped without us: we were
-  stopped, or dropped from the group), or the group's model is another than ours (a fork; code=FORKED, the
-  report's `holders` name the members that hold it). The caller drops the round and downloads a peer's state -
-  from those members first - with parameters and the DiLoCo momentum, the round taken from the adopted donor
-  (checked on batches of its own, peer/daemon.py `_resync`) - as hivemind.Optimizer's
-  load_state_from_peers; the next group compares anchors again. A failed download: the next round tries again.
+  stopped, or dropped from the group; looked at before each attempt, and every BEHIND_CHECK_S while we look for a
+  group), or the group's model is another than ours (a fork; code=FORKED, the report's `holders` name the members
+  that hold it). The caller drops the round and downloads a peer's state - from those members first - with
+  parameters and the DiLoCo momentum, the round taken from the adopted donor (checked on batches of its own,
+  peer/daemon.py `_resync`) - as hivemind.Optimizer's load_state_from_peers; the next group compares anchors again.
+  A failed download: the next round tries again.
 - stopping: a stop signal came while waiting; the caller drops the round (the state stays at the last step).
 Start barrier: at epoch 0 a group needs diloco.initial_group_size members (the attempt is repeated until they come).
 A lone peer waits (DiLoCo has no step without a group). While it waits it serves the state of its last step to peers
@@ -67,6 +68,7 @@ from gasloc.runtime.safeproc import DiesWithParent, remove_own_shm
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
+BEHIND_CHECK_S = 1.0  # how often a peer still looking for a group compares its epoch with the listing's
 # bits a value on the wire, per compression (for the derived byte counts)
 _BITS = {"none": 32, "float16": 16, "uint8": 8}
 # diloco.anchor_tolerance unset, per compression: above what the wire's rounding leaves between members' anchors.
@@ -164,7 +166,11 @@ class SafeAverager(DiesWithParent, DecentralizedAverager):
         mm = self._matchmaking
         mm.group_key_manager.prefix = key_prefix
         mm.target_group_size = mm.potential_leaders.target_group_size = target
-        mm.group_key_manager.target_group_size = target
+        # The key manager's copy only picks the next group bits (we keep none: the key is the epoch), but it draws
+        # group_size of range(its target): a follower whose target is below the group its leader assembled (views
+        # of the listing differ: a peer just resumed or joined) raised ValueError there, after the group formed,
+        # and failed the all-reduce for every member. None: hivemind draws from the group's own size instead.
+        mm.group_key_manager.target_group_size = None
         mm.min_group_size = minimum
 
 
@@ -241,7 +247,7 @@ class DilocoAveraging:
         control = self.averager.step(gather=claim, weight=1.0, timeout=d.averaging_timeout_s,
                                      allow_retries=False, wait=False)
         deadline = t1 + d.averaging_timeout_s + d.request_timeout_s
-        t_allreduce = None
+        t_allreduce, next_look = None, t1 + BEHIND_CHECK_S
         while True:
             self.serve()
             if t_allreduce is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
@@ -250,10 +256,20 @@ class DilocoAveraging:
                 gathered = control.result(timeout=POLL_S)
                 break
             except concurrent.futures.TimeoutError:
-                if self.stopping.is_set() or time.monotonic() > deadline:
+                now = time.monotonic()
+                if self.stopping.is_set() or now > deadline:
                     control.cancel()
                     why = "stopping" if self.stopping.is_set() else "averaging deadline passed"
                     return self._report("timeout", t0, t_allreduce, attempts, why)
+                # still looking for a group while the swarm steps past our epoch (we were stopped mid-attempt, or a
+                # join's state was a round old): nobody of our epoch is left to come, so download now rather than
+                # at the attempt's deadline (hivemind.Optimizer checks the swarm's epoch as it waits, too)
+                if t_allreduce is None and now >= next_look:
+                    next_look = now + BEHIND_CHECK_S
+                    if behind(epoch, self._claimed_rounds()):
+                        control.cancel()
+                        return self._report("behind", t0, None, attempts, f"the swarm's median round passed our "
+                                            f"epoch {epoch} while we looked for a group: downloading its state")
             except Exception as e:  # noqa: BLE001 - hivemind raises many types; any of them means a failed attempt
                 outcome = "solo" if "could not find a group" in str(e) else "failed"
                 return self._report(outcome, t0, t_allreduce, attempts, f"{type(e).__name__}: {e}")

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 
@@ -20,6 +21,7 @@ from hivemind.p2p import PeerID
 
 from gasloc.peer.swarm.membership import PeerRecord
 from gasloc.protocol.donors import pick_donors
+from gasloc.runtime.aio import Stopped
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +86,17 @@ class Joining:
         return self.live
 
     def download_state(self, params: list[torch.Tensor], outer, exclude: Collection[str] = (),
-                       first: Collection[str] = (), trust: Mapping[str, float] | None = None):
+                       first: Collection[str] = (), trust: Mapping[str, float] | None = None,
+                       stop: threading.Event | None = None):
         """(donor, metadata, params) from a live peer not in `exclude`, or None when nobody is there (a fresh swarm)
         or no donor delivered a verified state in time. `donor` is the transport's peer id, metadata's round the
         reply header's (checked against the metadata: protocol/donors.py). `outer` gives the outer state's specs,
         which a donor of an older build still sends: it is downloaded, never returned. `first`: donors to ask before
         the others (a DiLoCo fork: the members holding its group's model), if they are candidates at all; `trust`
-        (peer -> score) of the peers whose trust our guard lowered: asked after all others (pick_donors)."""
-        from gasloc.peer.transport.state_transfer import StateDownloadError, download_state
+        (peer -> score) of the peers whose trust our guard lowered: asked after all others (pick_donors). Once
+        `stop` is set (a stop signal) the download is given up within runtime/aio.POLL_S: None."""
+        from gasloc.peer.transport.state_transfer import StateDownloadError, download_state, payload_time_s
+        from gasloc.protocol.messages import TensorSpec, payload_bytes
 
         live = self._first_listing()
         # Only peers that trained at least one round (peers started together all hold the seed model already),
@@ -120,11 +125,20 @@ class Joining:
                               self.cfg.state_transfer, self.cfg.swarm.run_id, outer_specs=outer_specs,
                               swarm_key=self.swarm_key, hints_in=self.heard, member=self.member_out(),
                               round_caps=self.round_caps(), listed_rounds=claimed)
+        # join_timeout_s is for the waits (listing, replies, BUSY donors); each candidate's payload gets its own time
+        # at the slowest rate we accept, or a state bigger than ~join_timeout_s x min_rate (120 s at 2 Mbit/s: 30 MB,
+        # a 7.5M-parameter model; a 1b model's 4.4 GB needed 300 Mbit/s) could never be downloaded on a link that slow
+        state_bytes = payload_bytes([TensorSpec.of(*s) for s in specs + outer_specs])
+        budget_s = self.cfg.swarm.join_timeout_s + len(donors) * payload_time_s(self.cfg.state_transfer, state_bytes)
         try:
-            metadata, tensors = self.aio.run(coro, self.cfg.swarm.join_timeout_s)
+            metadata, tensors = self.aio.run(coro, budget_s, stop=stop)
+        except Stopped:
+            log.info("join: stopping; the state download is given up")
+            return None
         except TimeoutError:
-            log.warning("join: no state within join_timeout_s=%.0f; starting from the seed model",
-                        self.cfg.swarm.join_timeout_s)
+            log.warning("join: no state within %.0f s (join_timeout_s=%.0f and %d donors' payload time at "
+                        "min_rate_mbit=%g); starting from the seed model", budget_s, self.cfg.swarm.join_timeout_s,
+                        len(donors), self.cfg.state_transfer.min_rate_mbit)
             return None
         except StateDownloadError as e:
             log.warning("join: %s; starting from the seed model", e)

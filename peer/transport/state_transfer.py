@@ -13,8 +13,9 @@ else NOT_MEMBER; the reply carries the donor's proof, without which the joiner t
 `min_request_interval_s`, so nobody can keep a donor snapshotting, hashing and sending its state.
 
 The joiner validates before buffering (version, fingerprint, specs equal to what it expects, declared size within
-the cap) and after (sha256, finite values). A donor that is busy, dies, stalls past `per_donor_timeout_s` or sends
-garbage is skipped and the next one is tried; only a fully verified state is returned.
+the cap) and after (sha256, finite values). A donor that is busy, dies, sends garbage or sends slower than its
+payload's deadline (`payload_deadline_s`: accept_timeout_s plus the payload's size at `min_rate_mbit`) is skipped
+and the next one is tried; only a fully verified state is returned. The same deadline bounds a donor's serve.
 """
 from __future__ import annotations
 
@@ -61,16 +62,34 @@ class StateTransferConfig(BaseModel):
     """How a joiner downloads state, and how long a donor waits for a joiner's request."""
     model_config = ConfigDict(extra="forbid")
 
-    per_donor_timeout_s: float = Field(120.0, gt=0, description="deadline of one whole download from one donor")
+    per_donor_timeout_s: float | None = Field(None, gt=0, description="cap on one whole download from one donor "
+                                              "(and on one serve); unset: each payload's own deadline "
+                                              "(min_rate_mbit) is the only one")
     accept_timeout_s: float = Field(10.0, gt=0, description="how long to wait for a donor's reply header (the donor "
                                     "snapshots and checksums its state first)")
+    min_rate_mbit: float = Field(2.0, gt=0, description="the slowest a state may travel, in Mbit/s: a payload gets "
+                                 "accept_timeout_s plus its size at this rate, then the donor is skipped for the next "
+                                 "(a donor sending to a slower joiner gives up alike); so a trickling donor holds a "
+                                 "joiner no longer than an honest donor this slow would (the hetero bench's slow "
+                                 "volunteers: 3 Mbit/s)")
     max_state_bytes: int | None = Field(None, gt=0, description="cap on a donor's declared payload; default: "
                                         "exactly what the expected specs imply")
     chunk_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="bytes per write on the donor side")
     max_concurrent_requests: int = Field(4, ge=1, le=1024, description="joiners' requests handled at once by a "
                                          "donor (one is served, the others answered BUSY); more are closed unread")
     min_request_interval_s: float = Field(30.0, ge=0, description="a donor serves one joiner a whole state at "
-                                          "most once per this many seconds (RATE_LIMITED otherwise); 0: no limit")
+                                          "most once per this many seconds, counted from the end of its last "
+                                          "serve (RATE_LIMITED otherwise); 0: no limit")
+
+
+def payload_time_s(cfg: StateTransferConfig, nbytes: int) -> float:
+    """`nbytes` at the slowest rate we accept (min_rate_mbit)."""
+    return nbytes * 8 / (cfg.min_rate_mbit * 1e6)
+
+
+def payload_deadline_s(cfg: StateTransferConfig, nbytes: int) -> float:
+    """How long a payload of `nbytes` may take on the wire, from the reply header on (both sides use it)."""
+    return cfg.accept_timeout_s + payload_time_s(cfg, nbytes)
 
 
 def handler_name(namespace: str) -> str:
@@ -205,12 +224,23 @@ class StateServer:
                                                                                   me),
                            peers=wire_hints(self.hints_out(joiner)))
         await ch.write(encode_header(reply))
-        self._remember_served(joiner)     # counts from the first payload byte: a cut transfer also used us
-        for t in tensors:
-            await ch.write(byte_view(t), self.cfg.chunk_bytes)
-            self.bytes_served += t.numel() * t.element_size()
-        # wait for the joiner's 1-byte verdict so that closing does not cut the tail of the payload
-        verdict = Code.parse((await ch.readexactly(1))[0])
+        self._remember_served(joiner)     # while we serve it, the same joiner asking again is RATE_LIMITED
+        # a joiner that reads slower than min_rate_mbit holds our one serving slot no longer than its payload's time
+        deadline_s = payload_deadline_s(self.cfg, reply.total_bytes)
+        try:
+            async with asyncio.timeout(deadline_s):
+                for t in tensors:
+                    await ch.write(byte_view(t), self.cfg.chunk_bytes)
+                    self.bytes_served += t.numel() * t.element_size()
+            # wait for the joiner's 1-byte verdict so that closing does not cut the tail of the payload; it hashes
+            # and checks what it got first, far faster than the slowest rate it may arrive at
+            async with asyncio.timeout(deadline_s):
+                verdict = Code.parse((await ch.readexactly(1))[0])
+        finally:
+            # and again from the serve's end, whatever it was (a cut transfer also used us): a joiner that stops
+            # reading, whose payload's deadline is longer than min_request_interval_s, could otherwise take the slot
+            # back to back
+            self._remember_served(joiner)
         seconds = time.monotonic() - t0
         log.info("state_serve joiner=%s outcome=%s mb=%.1f seconds=%.2f",
                  joiner, verdict.name, reply.total_bytes / 1e6, seconds)
@@ -265,8 +295,15 @@ async def _download_from(p2p: P2P, donor: PeerID, name: str, specs: list[TensorS
                 raise WireError(code, why)
             # buffers sized from the validated specs, which equal ours: bounded by our own state size
             tensors = [torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for s in reply.specs]
-            for t in tensors:
-                await ch.readinto(byte_view(t))
+            deadline_s, t_payload = payload_deadline_s(cfg, reply.total_bytes), time.monotonic()
+            try:
+                async with asyncio.timeout(deadline_s):
+                    for t in tensors:
+                        await ch.readinto(byte_view(t))
+            except TimeoutError:
+                raise WireError(Code.TIMEOUT, f"the payload ({reply.total_bytes / 1e6:.1f} MB) took longer than "
+                                f"{deadline_s:.1f} s (accept_timeout_s + its size at min_rate_mbit="
+                                f"{cfg.min_rate_mbit:g}); {time.monotonic() - t_payload:.1f} s so far") from None
             digest = await in_thread(_payload_digest, tensors)
             verdict = Code.OK
             if digest != reply.sha256:
@@ -315,7 +352,7 @@ async def download_state(p2p: P2P, donors: Sequence[PeerID], specs: Sequence[Spe
         if isinstance(busy, tuple):
             return busy
         # a BUSY donor serves another joiner or takes our snapshot at its next round boundary: ask it again (the
-        # caller's join_timeout_s bounds the whole download)
+        # caller's join budget bounds the whole download: peer/swarm/joining.py)
         pending = busy
         if pending:
             await asyncio.sleep(BUSY_RETRY_S)

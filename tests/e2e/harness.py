@@ -159,8 +159,8 @@ class Harness:
 
     def wait_until(self, predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2,
                    alive: tuple[str, ...] = ()) -> T:
-        """Poll `predicate` until it returns something truthy (returned), else fail naming `what`. Fails at once
-        if a child named in `alive` exits meanwhile (with the tail of its log)."""
+        """Poll `predicate` until it returns something truthy (returned), else fail naming `what` (with the tails of
+        the logs of the children named in `alive`). Fails at once if one of those exits meanwhile (with its tail)."""
         deadline = time.monotonic() + timeout_s
         while True:
             value = predicate()
@@ -173,5 +173,8 @@ class Harness:
                                          f"{self.child(name).log_tail()}")
             if time.monotonic() > deadline:
                 dead = {n: c.poll() for n, c in self.sup.children.items() if c.poll() is not None}
-                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; exited children: {dead}")
+                # the children we waited on say why, in the failure itself: CI keeps no run directory
+                tails = "".join(f"\n--- {n} log tail:\n{self.child(n).log_tail(6)}" for n in alive)
+                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; exited children: {dead}"
+                                     + tails)
             time.sleep(interval_s)

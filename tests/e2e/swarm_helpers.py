@@ -70,6 +70,12 @@ def rounds(h: Harness, name: str) -> list[dict]:
     return [r for r in h.metrics(name) if r.get("event") == "round"]
 
 
+def state_round(h: Harness, name: str) -> int:
+    """The round of the state the peer last held: its last round's, or a later resync's (a catch-up at the round's
+    end takes over the donor's round count; one still downloading when a stop signal comes is given up)."""
+    return [r for r in h.metrics(name) if r.get("event") in ("round", "resync")][-1]["round"]
+
+
 def start_event(h: Harness, name: str) -> dict:
     return next(r for r in h.metrics(name) if r.get("event") == "start")
 

@@ -57,11 +57,17 @@ def test_star_removed_after_exception_and_processes_inside_are_killed():
     sleeper = None
     with pytest.raises(RuntimeError, match="boom"):
         with star:
-            sleeper = subprocess.Popen(star.exec_argv("a", [sys.executable, "-c", "import time; time.sleep(60)"]))
+            sleeper = subprocess.Popen(
+                star.exec_argv("a", [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"]),
+                stdout=subprocess.PIPE, text=True)
+            # inside the namespace before the exception: `ip netns exec` enters it only after it starts, and one
+            # that entered after down()'s SIGTERM scan met only its SIGKILL (CI saw -9 once)
+            assert sleeper.stdout.readline().strip() == "ready"
             raise RuntimeError("boom")
     assert _ours(prefix) == []
     # stopped by down(): a namespace outlives its deletion while a process is inside
     assert sleeper.wait(timeout=10) == -signal.SIGTERM
+    sleeper.stdout.close()
 
 
 @pytest.mark.timeout(60)

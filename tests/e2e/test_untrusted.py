@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from safetensors.torch import load_file
 
 from e2e.harness import LOOPBACK
 from e2e.swarm_helpers import start_event, val_losses, write_config
+from gasloc.runtime.procs import read_stat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from adversary import measure, run_swarm  # noqa: E402  (the adversary bench's swarms and figures)
@@ -57,12 +57,6 @@ def _problems(mode: str, row: dict, base: float) -> list[str]:
     if mode in ("noisy", "scaled") and not row["searched_on"]:
         out.append("a rejection of the attacker never searched on for another partner")
     return out
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process so far (/proc/<pid>/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.mark.timeout(1800)
@@ -146,8 +140,8 @@ def test_nan_mid_round_recovers_from_last_finite_checkpoint_and_a_cut_round_is_d
     # with no round begun, nothing to drop (seen once under the parallel suite). A second of the peer's own CPU past
     # its start event is some 50 of the 400 steps in
     pid = h.child("peer-2").pid
-    started_cpu_s = _cpu_s(pid)
-    h.wait_until(lambda: _cpu_s(pid) > started_cpu_s + 1.0, 60, "a second of the restart's inner phase")
+    started_cpu_s = read_stat(pid).cpu_s
+    h.wait_until(lambda: read_stat(pid).cpu_s > started_cpu_s + 1.0, 60, "a second of the restart's inner phase")
     last_full = [e for e in h.metrics("peer") if e["event"] == "round"][-1]["round"]
     assert h.stop("peer-2") == 0
     rs2 = [e for e in h.metrics("peer") if e["event"] == "round"]

@@ -15,6 +15,7 @@ from gasloc.peer.transport.state_transfer import (
     download_state,
     handler_name,
 )
+from gasloc.protocol.codes import Code
 from gasloc.protocol.messages import PROTOCOL_VERSION, StateReply, StateRequest, TensorSpec, fingerprint, payload_bytes
 from gasloc.protocol.wire import encode_header
 
@@ -211,4 +212,70 @@ def test_a_donor_lying_in_its_metadata_is_a_status_code_and_the_next_donor_serve
             assert meta["peer_id"] == good.peer_id.to_base58() and meta["round"] == 12
             assert all(torch.equal(x, y) for x, y in zip(got, params))
             await honest.stop()
+    arun(main())
+
+
+# The payload's deadline (payload_deadline_s): accept_timeout_s + its size at min_rate_mbit; 256 Mbit/s puts a 128 MB
+# state's at 3 + 4 s, shorter than the partner's trickle takes (64 KiB per 20 ms after the first half: ~20 s)
+SLOW_CFG = StateTransferConfig(accept_timeout_s=3, min_rate_mbit=256, min_request_interval_s=0)
+BIG = 32_000_000
+
+
+@pytest.mark.timeout(120)
+def test_a_trickling_donor_is_given_up_at_its_payloads_deadline_for_the_next():
+    """A donor that sends half of its state, then trickles it (an attacker who read a fixed 120-s per-donor deadline:
+    every joiner that picked it failed its whole join) is skipped once its payload is late, with no per-donor cap
+    set; before, its valid state arrived whole, late, and was taken."""
+    shapes = [(BIG,)]
+
+    async def main():
+        async with Partner("donor-half", NS, FP, BIG) as bad:
+            async with p2p_nodes(2, initial_peers=[bad.maddr]) as (good, joiner):
+                params = state(3, shapes)
+                s = server(good, params, cfg=SLOW_CFG)
+                await s.start()
+                t0 = time.monotonic()
+                meta, got = await download_state(joiner, [bad.peer_id, good.peer_id], [(shapes[0], torch.float32)],
+                                                 FP, SLOW_CFG, NS)
+                took = time.monotonic() - t0
+                assert meta["round"] == 12 and torch.equal(got[0], params[0])   # the good donor's (the bad one: 7)
+                assert took < 60, took
+                await s.stop()
+    arun(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_that_stops_reading_frees_the_donors_slot_at_the_payloads_deadline():
+    """A donor serves one joiner at a time (the others: BUSY). A joiner that takes the header and then reads nothing
+    held that slot until the per-donor deadline (120 s, or for good with none); now it holds it until the payload's
+    deadline, and the next joiner (asking again on BUSY) is served. Asking again at once, the staller is
+    RATE_LIMITED: the interval (5 s) counts from the end of its serve, not from its first byte, which its payload's
+    deadline (3 + 4 s) had left behind, so it cannot take the slot back to back."""
+    shapes = [(BIG,)]
+    cfg = SLOW_CFG.model_copy(update={"min_request_interval_s": 5.0})
+
+    async def ask(node, donor) -> tuple[Channel, StateReply]:
+        _, reader, writer = await node.call_binary_stream_handler(donor, handler_name(NS))
+        ch = Channel.take_over(reader, writer)
+        await ch.write(encode_header(StateRequest(protocol_version=PROTOCOL_VERSION, fingerprint=FP)))
+        return ch, await read_header(ch, StateReply)
+
+    async def main():
+        async with p2p_nodes(3) as (donor, slow, joiner):
+            params = state(4, shapes)
+            s = server(donor, params, cfg=cfg)
+            await s.start()
+            ch, reply = await ask(slow, donor.peer_id)
+            assert reply.code == 0 and reply.total_bytes == payload_bytes(reply.specs)     # served: and never read
+            t0 = time.monotonic()
+            async with asyncio.timeout(60):
+                meta, got = await download_state(joiner, [donor.peer_id], [(shapes[0], torch.float32)], FP, cfg, NS)
+            took = time.monotonic() - t0
+            assert torch.equal(got[0], params[0]) and meta["round"] == 12
+            assert took > 2, took    # it was BUSY while the slow joiner held the slot
+            ch.close()
+            again, reply = await ask(slow, donor.peer_id)
+            assert reply.code == Code.RATE_LIMITED, reply
+            again.close()
+            await s.stop()
     arun(main())

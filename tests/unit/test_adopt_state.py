@@ -4,6 +4,8 @@ first donor cross-checked against a second. The network side is scripted: the st
 (the transfer and its metadata checks: tests/integration/test_state_transfer.py)."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -23,7 +25,7 @@ class _Net:
     def __init__(self, donors, believed):
         self.donors, self.believed, self.asked, self.trust = list(donors), believed, [], []
 
-    def download_state(self, params, outer, exclude=(), first=(), trust=None):
+    def download_state(self, params, outer, exclude=(), first=(), trust=None, stop=None):
         self.asked.append(set(exclude))
         self.trust.append(dict(trust or {}))
         for donor, rnd, state in self.donors:
@@ -51,6 +53,7 @@ def _peer(donors, believed, **swarm) -> Peer:
     p.guard, p._far = DistanceHistory(cfg.guard), FarStreak(2)
     p.net = _Net(donors, believed)
     p.averaging = None
+    p.stopping = threading.Event()
     return p
 
 
@@ -185,3 +188,29 @@ def test_the_peers_whose_trust_our_guard_lowered_are_handed_to_the_donor_order()
     got = p.net.trust[0]
     assert set(got) == {"QmBad", "QmClipped"}, got        # an accepted partner keeps its full trust
     assert got["QmBad"] < p.cfg.guard.busy_below < got["QmClipped"] < 1.0
+
+
+def test_a_stop_signal_gives_the_download_up_and_keeps_our_state():
+    """A stop during a resync's download (CI saw one arrive during the cross-check's second download): no further
+    donor is asked, and the state already checked is not adopted (one donor's word without the cross-check); our
+    parameters and round stay, for the shutdown checkpoint."""
+    class Stopping(_Net):
+        def download_state(self, params, outer, exclude=(), first=(), trust=None, stop=None):
+            assert stop is p.stopping       # the network gives the transfer itself up on it
+            if len(self.asked) == stop_during:
+                stop.set()                  # the signal arrives during this download, which still delivers
+            return super().download_state(params, outer, exclude, first, trust)
+
+    for stop_during in (0, 1):
+        p = _peer([], {})
+        p.round = 9
+        own = [t.detach().clone() for t in p.params]
+        good = _like(p, 1, 0.01)
+        p.net = Stopping([("QmA", 14, good), ("QmB", 14, good), ("QmC", 14, good)],
+                         believed={"QmA": 14, "QmB": 14, "QmC": 14})
+        assert p._adopt_swarm_state() is None
+        assert len(p.net.asked) == stop_during + 1                 # no donor asked after the stop
+        assert all(torch.equal(a, b) for a, b in zip(p.params, own)) and p.round == 9
+    p = _peer([], {})           # without a stop the same donors are adopted: the stop is what gave them up
+    p.net = _Net([("QmA", 14, good), ("QmB", 14, good)], believed={"QmA": 14, "QmB": 14})
+    assert p._adopt_swarm_state() == "QmA" and p.round == 14

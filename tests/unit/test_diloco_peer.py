@@ -1,10 +1,17 @@
 """The live DiLoCo peer's side of one model (peer/daemon.py, peer/swarm/diloco.py): a download takes the donor's
 momentum with its anchor (else the peer's next steps part from its group's), a donor serves the state of its last
-step, and the all-reduce's codec follows the exchange's."""
+step, the all-reduce's codec follows the exchange's, and a peer still looking for a group downloads once the swarm has
+stepped past its epoch."""
 from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+import time
 
 import pytest
 import torch
+from hivemind.averaging.control import AveragingStage
 
 from gasloc.peer.config import PeerConfig
 from gasloc.peer.daemon import Peer
@@ -22,7 +29,7 @@ class _Net:
     def __init__(self, donor, rnd, params, outer):
         self.state = (donor, rnd, params, outer)
 
-    def download_state(self, params, outer, exclude=(), first=(), trust=None):
+    def download_state(self, params, outer, exclude=(), first=(), trust=None, stop=None):
         self.first = tuple(first)
         donor, rnd, state, outer_state = self.state
         if donor in exclude:
@@ -57,7 +64,7 @@ def _peer(algorithm: str) -> Peer:
     p.params = list(p.model.parameters())
     p.outer = make_outer(cfg.outer, p.params)
     p.guard, p._far = DistanceHistory(cfg.guard), FarStreak(2)
-    p.averaging = None
+    p.averaging, p.stopping = None, threading.Event()
     return p
 
 
@@ -84,13 +91,11 @@ def test_a_diloco_download_takes_the_donors_momentum_and_the_others_reset_theirs
 def test_a_fork_downloads_from_the_members_that_hold_its_groups_model():
     """A round that ended FORKED (protocol/epochs.py) names the groupmates holding the group's model; the catch-up at
     the round's end asks them first, and takes their anchor, momentum and epoch."""
-    import threading
-
     from gasloc.peer.metrics import NullSink
     d = _peer("diloco")
     state, buf = _moved(d, 0.01), [torch.full_like(t, 0.5) for t in d.params]
     d.net = _Net("QmHolder", 9, state, buf)
-    d.stopping, d._pending, d.sink, d.state = threading.Event(), None, NullSink(), "training"
+    d._pending, d.sink, d.state = None, NullSink(), "training"
     d._catch_up, d._donors_first = "behind", ("QmHolder", "QmOther")
     d._catch_up_if_due()
     assert d.net.first == ("QmHolder", "QmOther") and d.round == 9
@@ -132,3 +137,53 @@ def test_gasloc_swarm_sets_the_start_barrier_to_its_peers_unless_the_caller_chos
     assert not _sets_initial_group({}, None) and not _sets_initial_group({}, other)
     assert _sets_initial_group({"GASLOC_DILOCO__INITIAL_GROUP_SIZE": "2"}, None) and _sets_initial_group({}, chosen)
     assert _sets_initial_group({}, broken)  # the peers report the file's problem themselves
+
+
+class _Looking:
+    """hivemind's StepControl of a step that never finds a group."""
+    stage = AveragingStage.LOOKING_FOR_GROUP
+    cancelled = False
+
+    def result(self, timeout):
+        time.sleep(timeout)
+        raise concurrent.futures.TimeoutError
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Averager:
+    def __init__(self):
+        self.control = _Looking()
+
+    @contextlib.contextmanager
+    def get_tensors(self):
+        yield [torch.zeros(2)]
+
+    def set_group(self, *args):
+        pass
+
+    def step(self, **kwargs):
+        return self.control
+
+
+def test_a_diloco_peer_looking_for_a_group_downloads_once_the_swarm_steps_past_its_epoch():
+    """Frozen mid-attempt, or joined with a state a round old: the peers of our epoch have stepped on, nobody is
+    left to come. The attempt is given up at the next look at the listing (BEHIND_CHECK_S), not at its deadline
+    (averaging_timeout_s, 60 s by default), and the round ends behind: the daemon downloads the swarm's state."""
+    from gasloc.peer.swarm import diloco
+
+    cfg = PeerConfig.model_validate({"outer": {"algorithm": "diloco"}, "diloco": {"averaging_timeout_s": 10.0}})
+    listed = {"QmA": 7, "QmB": 7}
+    avg = diloco.DilocoAveraging.__new__(diloco.DilocoAveraging)
+    avg.cfg, avg.stopping, avg.set_state, avg.serve = cfg, threading.Event(), lambda s: None, lambda: None
+    avg.net = type("Net", (), {"peer_id": "me", "believed_rounds": lambda self: dict(listed)})()
+    avg.anchor, avg.stride, avg.averager, avg.last_group = lambda: [torch.zeros(2)], 1, _Averager(), 2
+    avg.key_base, avg.compression, avg.vector_bytes = "k", "none", 8
+    threading.Timer(1.5, lambda: listed.update(QmA=8, QmB=8)).start()  # the others step without us
+    t0 = time.monotonic()
+    ex = avg.average([torch.ones(2)], 7, live_count=lambda: 2)
+    took = time.monotonic() - t0
+    assert ex.outcome == "behind" and "while we looked for a group" in ex.detail, ex
+    assert avg.averager.control.cancelled
+    assert 1.5 <= took < cfg.diloco.averaging_timeout_s, took  # before the attempt's deadline

@@ -90,4 +90,11 @@ def test_a_fork_moves_the_model_and_its_anchor_alike_once():
         assert 0.02 * rms < (p - p0).pow(2).mean().sqrt() < 0.1 * rms
     moved = [p.detach().clone() for p in params]
     fault.after_step(2)
+    fault.after_step(3)
     assert all(torch.equal(p, m) for p, m in zip(params, moved))
+    # a state download took the peer from round 2 past round 3: it forks in the next round it trains (6 here)
+    late = make_fault(FaultConfig(fork_at_round=3, fork_scale=0.05), params, anchor=lambda: anchor)
+    late.after_step(2)
+    assert all(torch.equal(p, m) for p, m in zip(params, moved))
+    late.after_step(6)
+    assert not any(torch.equal(p, m) for p, m in zip(params, moved))

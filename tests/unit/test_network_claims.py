@@ -83,18 +83,24 @@ def test_donors_come_in_order_of_tenure_and_claims_past_the_swarm_are_cut(clock)
 
     st.download_state = capture
     try:
+        budgets = []
+
         class _Loop:
-            def run(self, coro, timeout):
+            def run(self, coro, timeout, stop=None):
                 import asyncio
+                budgets.append(timeout)
                 return asyncio.run(coro)
         net.aio, net.p2p, net.fingerprint = _Loop(), None, "f"
         net.member_out = lambda: None
         import torch
-        assert net.download_state([torch.zeros(2)], _Outer()) is None
+        assert net.download_state([torch.zeros(2_000_000)], _Outer()) is None
     finally:
         st.download_state = real
     # the peer claiming past what we believe is no donor at all (it lies about its round)
     assert sorted(order) == ["hA", "hB", "hC"]
+    # the join's budget: join_timeout_s for the waits, plus each candidate's 8 MB at min_rate_mbit (2 Mbit/s: 32 s)
+    assert net.cfg.state_transfer.min_rate_mbit == 2.0
+    assert budgets == [pytest.approx(net.cfg.swarm.join_timeout_s + 3 * 32.0)]
 
 
 class _Outer:

@@ -6,6 +6,8 @@
     python bench/mod_steps.py --rules as-built --clock fp32 --jobs 2                # with the fp32 wire's partners
     python bench/mod_steps.py --rules as-built --codec mod3-sd --mix-momentum 1 --clock fp32 --jobs 2
                                                                     # another codec, its mixes carried whole
+    python bench/mod_steps.py --rules fp32,wz --mix-weight 0.5 --mix-momentum 0 --clock fp32 --jobs 2
+                                                                    # the best 1-bit code, an oracle (M)
 
 The modulo rules mix with mod4-sd's own weight (0.4, protocol/codec.py; invocation E ran before it, at the pair's
 mean 0.5: `--mix-weight 0.5` runs E again), fp32 with the pair's mean, its best (docs/codecs.md invocation G); and
@@ -33,6 +35,15 @@ wire run in the same invocation:
                 it if its own value sits in the upper half of its cell, else one step below (exact, and the
                 same on both sides, where |difference| < step / 2). The step per tensor is `--sign-range` times
                 the pair's whole difference RMS (a perfect probe): what a dense 1-bit modulo code gives at best
+    wz          an oracle of the best coder at `--wz-bits` (default 1) a value that decodes against the receiver's
+                own model (Wyner-Ziv coding), if each 64-value block's difference were Gaussian: for a Gaussian
+                difference of variance s^2 and our own values at the decoder, no code of R bits a value gets the
+                mean squared error below D = s^2 2^(-2R), and the test channel that reaches it decodes
+                alpha d + m, alpha = 1 - 2^(-2R), m ~ N(0, alpha D) independent of d. Both sides draw the same m
+                (the pair's mean exact) and the block's s is the pair's actual one, which no coder knows: what
+                one bit a value could buy with codes far longer and smarter than any built here, not a codec
+    wz-tensor   the same with one variance per tensor (the pair's whole difference's mean square, what a probe
+                estimates), as a coder that models each tensor's difference as one Gaussian would do
 
 `--clock fp32` charges every run the fp32 wire's 4 bytes a parameter (clock.charge_codec false,
 clock.bytes_per_param 4) instead of its codec's bytes: a modulo rule's exchanges then take as long as fp32's, so its
@@ -46,10 +57,11 @@ correction the outer momentum carries on; by default the codec's own: 0.5 for mo
 mod8-p12-sd, 1, the form as published, for every other) for every rule but fp32, which keeps its default (1) as it
 keeps the pair's mean.
 
-Every rule but fp32 and as-built replaces the simulator's modulo exchange (sim/trainer.py `_modulo_wire`) with the
-same arithmetic written here: both sides round y / step with the exchange's shared dither, send the integers modulo
-2^b and decode y_i + step * d, the pair's mean exact (d read as -d by the partner). It is an experiment, not a
-codec: nothing here is on any wire.
+Every rule but fp32 and as-built replaces the simulator's modulo exchange (sim/trainer.py `_modulo_wire`) with an
+exchange written here: for the step rules, both sides round y / step with the exchange's shared dither, send the
+integers modulo 2^b and decode y_i + step * d, the pair's mean exact (d read as -d by the partner); sign1 and the wz
+oracles as above, the pair's mean exact too (sign1's where the pair is within half a step). It is an experiment,
+not a codec: nothing here is on any wire.
 """
 from __future__ import annotations
 
@@ -60,10 +72,11 @@ from concurrent.futures import ProcessPoolExecutor
 import click
 import torch
 
-RULES = ("fp32", "as-built", "band1", "tensor", "block", "movement", "sign1")
+RULES = ("fp32", "as-built", "band1", "tensor", "block", "movement", "sign1", "wz", "wz-tensor")
 CODEC = "mod4-sd"   # what every rule but fp32 runs; `--codec` changes it for as-built alone
 BITS, BLOCK, RANGE_RMS = 4, 64, 8.0
 SIGN_RANGE_RMS = 4.0   # sign1's default step, in RMS of the pair's difference
+WZ_BITS = 1.0          # wz's rate, bits a value
 CLOCKS = ("codec", "fp32")
 FP32_BYTES = 4.0   # what the fp32 wire's codec ("float32") charges a parameter: 32 bits, no header
 HALF = 1 << (BITS - 1)
@@ -122,7 +135,22 @@ def sign_pair(step: float, a: torch.Tensor, b: torch.Tensor, gen: torch.Generato
     return a + step * da, b + step * db
 
 
-def _patched_modulo_wire(rule: str, sign_range: float = SIGN_RANGE_RMS):
+def wz_pair(bits: float, a: torch.Tensor, b: torch.Tensor, gen: torch.Generator, per_block: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what a decodes of b, what b decodes of a) through the Gaussian Wyner-Ziv test channel at `bits` a value, a
+    variance per 64-value block from the pair's actual difference (rule wz), or one for the whole tensor
+    (`per_block` false: rule wz-tensor); module docstring."""
+    n = a.numel()
+    diff = _blocks(b - a)
+    share = 2.0 ** (-2 * bits)                 # D / s^2: the least mean squared error a code of `bits` can reach
+    alpha = 1 - share
+    noise = torch.randn(diff.shape, generator=gen, dtype=torch.float64)
+    rms = _block_rms(diff) if per_block else (b - a).square().mean().sqrt()
+    got = alpha * diff + noise * (alpha * share) ** 0.5 * rms
+    return a + got.view(-1)[:n], b - got.view(-1)[:n]
+
+
+def _patched_modulo_wire(rule: str, sign_range: float = SIGN_RANGE_RMS, wz_bits: float = WZ_BITS):
     from gasloc.protocol.codec import probe, probe_steps
 
     def _modulo_wire(self, partners) -> None:
@@ -147,6 +175,8 @@ def _patched_modulo_wire(rule: str, sign_range: float = SIGN_RANGE_RMS):
                     if rule == "sign1":
                         step = max(sign_range * float((fb - fa).square().mean().sqrt()), 1e-9)
                         da, db = sign_pair(step, fa, fb, gen)
+                    elif rule in ("wz", "wz-tensor"):
+                        da, db = wz_pair(wz_bits, fa, fb, gen, per_block=rule == "wz")
                     else:
                         if probed is not None:
                             step = torch.full((-(-fa.numel() // BLOCK), 1), probed[k], dtype=torch.float64)
@@ -197,8 +227,9 @@ def simulate(rule: str, seed: int, overrides: dict, *, modulo_wire=None, mix_wei
 
 
 def run_one(rule: str, seed: int, overrides: dict, mix_weight: float | None = None, clock: str = "codec",
-            sign_range: float = SIGN_RANGE_RMS, codec: str = CODEC, mix_momentum: float | None = None) -> dict:
-    wire = _patched_modulo_wire(rule, sign_range) if rule not in ("fp32", "as-built") else None
+            sign_range: float = SIGN_RANGE_RMS, codec: str = CODEC, mix_momentum: float | None = None,
+            wz_bits: float = WZ_BITS) -> dict:
+    wire = _patched_modulo_wire(rule, sign_range, wz_bits) if rule not in ("fp32", "as-built") else None
     return simulate(rule, seed, overrides, modulo_wire=wire, mix_weight=mix_weight, clock=clock, codec=codec,
                     mix_momentum=mix_momentum)
 
@@ -276,6 +307,8 @@ def clock_option(f):
 @clock_option
 @click.option("--sign-range", type=click.FloatRange(0, min_open=True), default=SIGN_RANGE_RMS, show_default=True,
               help="sign1: its step per tensor, in RMS of the pair's difference")
+@click.option("--wz-bits", type=click.FloatRange(0, min_open=True), default=WZ_BITS, show_default=True,
+              help="wz: the oracle's rate, bits a value")
 @click.option("--codec", default=CODEC, show_default=True,
               help="the codec of the as-built rule, any name protocol/codec.py reads (the other rules are mod4-sd's)")
 @click.option("--mix-momentum", type=click.FloatRange(0, 1), default=None,
@@ -284,7 +317,8 @@ def clock_option(f):
                    "as published)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def main(rules: str, seeds: str, jobs: int, rounds: int | None, workers: int | None, mix_weight: float | None,
-         clock: str, sign_range: float, codec: str, mix_momentum: float | None, json_path: str | None) -> None:
+         clock: str, sign_range: float, codec: str, mix_momentum: float | None, wz_bits: float,
+         json_path: str | None) -> None:
     from gasloc.protocol.codec import CodecError, parse
 
     chosen = [r.strip() for r in rules.split(",") if r.strip()]
@@ -300,12 +334,13 @@ def main(rules: str, seeds: str, jobs: int, rounds: int | None, workers: int | N
                                  f"{codec}", param_hint="--codec")
     seed_list, overrides = seeds_and_overrides(seeds, rounds, workers)
     rows = paired_cells(run_one, chosen, seed_list, jobs, overrides, mix_weight, clock, sign_range, codec,
-                        mix_momentum)
+                        mix_momentum, wz_bits)
     click.echo(table(rows))
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"rows": rows, "overrides": overrides, "mix_weight": mix_weight, "clock": clock,
-                       "sign_range": sign_range, "codec": codec, "mix_momentum": mix_momentum}, f, indent=1)
+                       "sign_range": sign_range, "codec": codec, "mix_momentum": mix_momentum,
+                       "wz_bits": wz_bits}, f, indent=1)
 
 
 if __name__ == "__main__":

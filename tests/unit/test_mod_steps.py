@@ -13,7 +13,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
-from mod_steps import HALF, RULES, code_pair, sign_pair, simulate, steps_for  # noqa: E402
+from mod_steps import HALF, RULES, code_pair, sign_pair, simulate, steps_for, wz_pair  # noqa: E402
 
 
 @pytest.mark.parametrize("rule", ["tensor", "block", "movement"])
@@ -52,13 +52,39 @@ def test_one_bit_a_value_reads_the_partners_cell_exactly_where_the_pair_is_withi
     assert float(((got_far - a) < 0).double().mean()) > 0.2
 
 
+@pytest.mark.parametrize("bits", [1.0, 2.0])
+def test_the_wyner_ziv_oracle_keeps_the_pair_mean_and_errs_by_the_rate_distortion_bound(bits):
+    """wz: what each side decodes has the least mean squared error a Gaussian code of `bits` a value reaches,
+    s^2 2^(-2 bits), block by block (s: the block's own difference RMS), as the best estimate from the code (its
+    error uncorrelated with it), and the two sides read the same difference (the pair's mean kept)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64 * 4000, generator=g, dtype=torch.float64)
+    small = torch.arange(a.numel()) // 64 % 2 == 0
+    scale = torch.where(small, 0.01, 1.0).double()   # every other block's difference 100x smaller
+    b = a + scale * torch.randn(a.numel(), generator=g, dtype=torch.float64)
+    got_b, got_a = wz_pair(bits, a, b, torch.Generator().manual_seed(3))
+    assert torch.allclose(got_b + got_a, a + b, rtol=0, atol=1e-12)
+    for sel in (small, ~small):
+        err = (got_b - b)[sel].square().mean() / (b - a)[sel].square().mean()
+        assert abs(float(err) - 2 ** (-2 * bits)) < 0.01, float(err)
+        # the test channel's decode is the best estimate from what it got: its error uncorrelated with it
+        got, d = (got_b - a)[sel], (b - a)[sel]
+        assert abs(float(((got - d) * got).mean() / d.square().mean())) < 0.01
+    assert not torch.equal(wz_pair(bits, a, b, torch.Generator().manual_seed(4))[0], got_b)   # the seed's noise
+    # one variance for the tensor (wz-tensor): the same error over the whole, the small blocks' far above theirs
+    got_b, got_a = wz_pair(bits, a, b, torch.Generator().manual_seed(3), per_block=False)
+    assert torch.allclose(got_b + got_a, a + b, rtol=0, atol=1e-12)
+    assert abs(float((got_b - b).square().mean() / (b - a).square().mean()) - 2 ** (-2 * bits)) < 0.01
+    assert float((got_b - b)[small].square().mean() / (b - a)[small].square().mean()) > 100
+
+
 def test_the_cli_runs_a_smoke_invocation_and_refuses_an_unknown_rule():
-    run = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,sign1", "--seeds", "0",
+    run = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,sign1,wz,wz-tensor", "--seeds", "0",
                           "--rounds", "1", "--workers", "2", "--mix-weight", "0.4"], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert [r.split("|")[1].strip() for r in rows] == ["fp32", "block", "sign1"]   # fp32 always, first
+    assert [r.split("|")[1].strip() for r in rows] == ["fp32", "block", "sign1", "wz", "wz-tensor"]   # fp32 first
     bad = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,psychic"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "psychic" in bad.stderr and "Traceback" not in bad.stderr

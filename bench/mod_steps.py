@@ -308,7 +308,7 @@ def clock_option(f):
 @click.option("--sign-range", type=click.FloatRange(0, min_open=True), default=SIGN_RANGE_RMS, show_default=True,
               help="sign1: its step per tensor, in RMS of the pair's difference")
 @click.option("--wz-bits", type=click.FloatRange(0, min_open=True), default=WZ_BITS, show_default=True,
-              help="wz: the oracle's rate, bits a value")
+              help="wz, wz-tensor: the oracles' rate, bits a value")
 @click.option("--codec", default=CODEC, show_default=True,
               help="the codec of the as-built rule, any name protocol/codec.py reads (the other rules are mod4-sd's)")
 @click.option("--mix-momentum", type=click.FloatRange(0, 1), default=None,

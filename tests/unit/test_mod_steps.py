@@ -79,9 +79,9 @@ def test_the_wyner_ziv_oracle_keeps_the_pair_mean_and_errs_by_the_rate_distortio
 
 
 def test_the_cli_runs_a_smoke_invocation_and_refuses_an_unknown_rule():
-    run = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,sign1,wz,wz-tensor", "--seeds", "0",
-                          "--rounds", "1", "--workers", "2", "--mix-weight", "0.4"], capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([sys.executable, str(BENCH / "mod_steps.py"), "--rules", "block,sign1,wz,wz-tensor",
+                          "--seeds", "0", "--rounds", "1", "--workers", "2", "--mix-weight", "0.4"],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [r.split("|")[1].strip() for r in rows] == ["fp32", "block", "sign1", "wz", "wz-tensor"]   # fp32 first

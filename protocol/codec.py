@@ -67,7 +67,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -276,23 +276,22 @@ class Codec:
                        seed: int | None, step: float | None, progress: Callable[[int], None] | None) -> None:
         if step is None or not math.isfinite(step) or step <= 0:
             raise CodecError(f"{self.name}: a modulo codec encodes with the exchange's agreed step, got {step}")
+        x, dev = xb.reshape(-1), xb.device
         if self.shared:
             if seed is None:
                 raise CodecError(f"{self.name}: a shared dither encodes with the exchange's seed")
             # drawn on the CPU from the seed alone, so that both sides, on any device, draw the same offsets
-            generator = torch.Generator().manual_seed(seed)
-        x, dev = xb.reshape(-1), xb.device
+            base, offsets = modulo_dither(x.numel(), torch.Generator().manual_seed(seed))
+        else:
+            base, offsets = modulo_dither(x.numel(), generator, dev)
+        base, offsets = base.to(dev), offsets.tolist()
         # chunk by chunk: the float64 temporaries of a whole tensor (8 bytes a value, three passes) spill the cache
-        # and made the encode 2.4x slower; the generator draws in order, so the codes are the same bit for bit
-        for a in range(0, x.numel(), MODULO_CHUNK):
+        # and made the encode 2.4x slower
+        for k, a in enumerate(range(0, x.numel(), MODULO_CHUNK)):
             b = min(a + MODULO_CHUNK, x.numel())
             # float64: |y| / step passes 2^24 for a small step, where float32 would round the fraction stochastic
             # rounding draws against
-            q = x[a:b].to(torch.float64).div_(step)
-            if self.shared:
-                q.add_(torch.rand(q.shape, generator=generator, dtype=torch.float64).to(dev))
-            else:
-                q.add_(torch.rand(q.shape, generator=generator, device=dev, dtype=torch.float64))
+            q = x[a:b].to(torch.float64).div_(step).add_(base[:b - a].add(offsets[k]).frac_())
             # floor(q) mod 2^b as the low bits of an int64 (two's complement: the same as the remainder, a quarter
             # faster); past 2^62, where a float64 is a multiple of 2^b anyway, clamped, so no cast overflows
             codes = q.floor_().clamp_(-_INT_CLAMP, _INT_CLAMP).to(torch.int64).bitwise_and_((1 << self.bits) - 1)
@@ -417,6 +416,11 @@ class Codec:
 
     def _modulo_delta(self, payload: torch.Tensor, ref: torch.Tensor, ncodes: int, step: float) -> torch.Tensor:
         """step * d for the codes of these bytes, d in [-2^(b-1), 2^(b-1)), -2^(b-1) read as 0 (see _decode_modulo)."""
+        if 8 % self.bits == 0:
+            # a byte of theirs and the byte of ours at the same place hold the same codes: their d's are one row of
+            # a table of every pair of bytes (a gather instead of a dozen passes over the codes; the same values)
+            pairs = payload.to(torch.int32).mul_(256).add_(ref)
+            return torch.index_select(_delta_table(self.bits), 0, pairs).view(-1)[:ncodes].to(torch.float32).mul_(step)
         half = 1 << (self.bits - 1)
         theirs = _unpack(payload, self.bits, ncodes).to(torch.int16)
         mine = _unpack(ref, self.bits, ncodes).to(torch.int16)
@@ -431,6 +435,37 @@ class Codec:
         out.view(-1)[lo:hi].copy_(delta.add_(fill.detach().reshape(-1)[lo:hi].to("cpu", torch.float32)),
                                   non_blocking=True)
         return out
+
+
+def modulo_dither(numel: int, generator: torch.Generator | None, device: torch.device | str = "cpu"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A modulo encode's stochastic-rounding offsets for a tensor of `numel` values, in float64: `base`, one uniform
+    draw in [0, 1) for each position of a chunk (min(numel, MODULO_CHUNK) of them), and `offsets`, one uniform draw a
+    chunk; value i of chunk k rounds as floor(y / step + frac(base[i] + offsets[k])).
+
+    Why not one draw a value: the draws were most of the encode, and the default codec's encode is on the exchange's
+    clock (docs/codecs.md, Speed). What the rounding needs still holds: each value's offset is uniform in [0, 1), so
+    E[r] = y / step, whether each side draws its own or both draw the same from the exchange's seed (a shared
+    dither: close values round alike); values a chunk apart share a base draw but round against other offsets."""
+    n = min(numel, MODULO_CHUNK)
+    base = torch.rand(n, generator=generator, dtype=torch.float64, device=device)
+    offsets = torch.rand(-(-numel // MODULO_CHUNK), generator=generator, dtype=torch.float64, device=device)
+    return base, offsets.cpu()
+
+
+@cache
+def _delta_table(bits: int) -> torch.Tensor:
+    """A modulo code of `bits` that fills whole bytes: d of every code of every pair of payload bytes, [65536, 8 //
+    bits] int8, row theirs * 256 + ours, code k of a byte in its bits k*bits.. (`_pack`'s order): (their code - ours)
+    modulo 2^b in [-2^(b-1), 2^(b-1)), -2^(b-1) read as 0 (Codec._decode_modulo)."""
+    per, mask, half = 8 // bits, (1 << bits) - 1, 1 << (bits - 1)
+    pair = torch.arange(1 << 16, dtype=torch.int32)
+    theirs, ours = pair >> 8, pair & 0xFF
+    cols = []
+    for k in range(per):
+        d = ((((theirs >> (bits * k)) & mask) - ((ours >> (bits * k)) & mask) + half) & mask) - half
+        cols.append(d.masked_fill_(d == -half, 0))
+    return torch.stack(cols, 1).to(torch.int8)
 
 
 def probe_positions(numel: int, seed: int) -> torch.Tensor | None:

@@ -35,7 +35,10 @@ def check_run_id(v: str) -> str:
 # 4: a mix's outer momentum carries the share its codec brings (protocol/codec.py MIX_MOMENTUM: 0.5 for the default
 # mod4-sd, 0 for mod3-sd and two sparse codes), where peers of 3 carried all of it for every codec but mod4-sd: two
 # sides that carry different shares move the swarm's mean, so the two do not pair
-PROTOCOL_VERSION = 4
+# 5: a modulo code's rounding offsets come from protocol/codec.py modulo_dither (one draw a position of a chunk and one
+# a chunk, not one a value): a peer of 4 would round against other offsets than its partner of 5 with the same seed,
+# so the shared dither of the default mod4-sd would quietly become independent rounding between the two
+PROTOCOL_VERSION = 5
 
 # dtypes a tensor may have in a header, with their size in bytes. Anything else is BAD_DTYPE.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

@@ -12,6 +12,8 @@ from gasloc.protocol.codec import (
     MIN_STEP,
     MODULO_CHUNK,
     CodecError,
+    _unpack,
+    modulo_dither,
     parse,
     probe,
     probe_numel,
@@ -321,21 +323,52 @@ def test_only_dense_codes_that_fill_whole_bytes_decode_by_ranges():
 
 @pytest.mark.parametrize("name", ["mod4-sd", "mod3", "mod2-sd", "mod8"])
 def test_modulo_encodes_chunk_by_chunk_to_the_codes_of_the_whole_tensor(name):
-    """The encode rounds MODULO_CHUNK values at a time (a cache-sized float64 temporary) and takes the code from the
-    low bits of an int64; the codes must be those of rounding the whole tensor at once with the same draws and
-    taking the remainder, bit for bit, also for values far past the range: the partner decodes against them."""
+    """The encode rounds MODULO_CHUNK values at a time (a cache-sized float64 temporary) against `modulo_dither`'s
+    offsets and takes the code from the low bits of an int64; the codes must be those of rounding the whole tensor
+    at once against the same offsets and taking the remainder, bit for bit, also for values far past the range:
+    the partner decodes against them."""
     c = parse(name)
     n = 2 * MODULO_CHUNK + 640                      # three chunks, the last a short one
     y = torch.randn(n) * 0.02
     y[::997] = torch.randn(n)[::997] * 1e30       # past int64 as multiples of the step: codes 0, as the remainder
     y[1::997] = -3.1234567e9                       # negative, past 2^31 steps
     step = 1.2345678e-3
-    g = torch.Generator().manual_seed(11)
     got = c.encode(y, seed=7, step=step, generator=torch.Generator().manual_seed(11))
-    q = y.to(torch.float64).div(step)
-    q += torch.rand(n, generator=torch.Generator().manual_seed(7) if c.shared else g, dtype=torch.float64)
+    base, offsets = modulo_dither(n, torch.Generator().manual_seed(7 if c.shared else 11))
+    u = (base.repeat(3)[:n] + offsets.repeat_interleave(MODULO_CHUNK)[:n]).frac()
+    q = y.to(torch.float64).div(step) + u
     codes = torch.remainder(q.floor(), 1 << c.bits).to(torch.uint8)
     assert torch.equal(got, _pack_reference(codes, c.bits))
+
+
+def test_modulo_dither_is_uniform_and_the_shared_one_rounds_a_close_pair_alike():
+    """`modulo_dither` draws one offset a position of a chunk and one a chunk (drawing one a value was most of the
+    encode): each value's offset frac(base + offset) is uniform in [0, 1), so over exchanges a value's code is
+    unbiased, and with the shared dither (both sides draw from the exchange's seed) its noise shrinks with the pair's
+    difference instead of being about a third of a step everywhere, as with independent draws."""
+    n = MODULO_CHUNK + 4096
+    base, offsets = modulo_dither(n, torch.Generator().manual_seed(3))
+    assert base.shape == (MODULO_CHUNK,) and offsets.shape == (2,) and base.dtype == torch.float64
+    u = torch.cat([base + offsets[0], base[:4096] + offsets[1]]).frac()
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.003
+    assert float((u[:4096] - u[MODULO_CHUNK:]).abs().mean()) > 0.2      # a chunk apart: other offsets
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(64 * 100, generator=g) * 0.02
+    yj = y + torch.randn(y.shape, generator=g) * 0.02 * 0.01
+    step = 0.001      # the pair 1 % of a weight apart, a fifth of a step
+
+    def decoded(name, seed, gen):
+        c = parse(name)
+        mine = c.encode(y, seed=seed, step=step, generator=gen)
+        theirs = c.encode(yj, seed=seed, step=step, generator=gen)
+        return c.decode(theirs, torch.empty_like(y), seed, fill=y, ref=mine, step=step)
+
+    shared = torch.stack([decoded("mod4-sd", s, None) for s in range(400)])
+    assert float((shared.mean(0) - yj).abs().max()) < 0.2 * step          # unbiased over exchanges
+    alone = torch.stack([decoded("mod4", 0, torch.Generator().manual_seed(s)) for s in range(100)])
+    assert float((alone.mean(0) - yj).abs().max()) < 0.4 * step
+    noise = lambda d: float((d - yj).pow(2).mean().sqrt())                  # noqa: E731
+    assert noise(shared) < 0.75 * noise(alone)       # measured: 0.35 against 0.57 of a step
 
 
 @pytest.mark.parametrize("name", ["mod4-sd", "mod3", "mod2-p50-sd", "int8"])
@@ -390,3 +423,28 @@ def test_doctor_names_the_codec_its_bits_and_what_it_sends_a_partner_of_another_
     cfg.write_text('[exchange]\ncodec = "mod5"\n')
     c = check_codec(cfg)
     assert c.status == "FAIL" and "mod5" in c.detail
+
+
+@pytest.mark.parametrize("name", ["mod2-sd", "mod4-sd", "mod8", "mod4-p25-sd"])
+def test_modulo_decode_reads_each_pair_of_bytes_from_a_table_as_the_code_arithmetic_would(name):
+    """A modulo code that fills whole bytes decodes by a gather from `_delta_table` (every pair of bytes, theirs and
+    ours): the same values, bit for bit, as unpacking both payloads and taking (theirs - ours) modulo 2^b into
+    [-2^(b-1), 2^(b-1)), -2^(b-1) read as 0, then times the step, for every byte value on either side."""
+    c = parse(name)
+    g = torch.Generator().manual_seed(5)
+    n = 64 * 8192
+    size = c.tensor_bytes(n)
+    theirs = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+    ours = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+    every = torch.arange(256, dtype=torch.uint8)
+    theirs[:1 << 16], ours[:1 << 16] = every.repeat(256), every.repeat_interleave(256)   # every byte against every byte
+    ncodes = size * 8 // c.bits
+    half, step = 1 << (c.bits - 1), 1.2345e-3
+    d = (_unpack(theirs, c.bits, ncodes).to(torch.int16) - _unpack(ours, c.bits, ncodes).to(torch.int16) + half)
+    d = d.bitwise_and_((1 << c.bits) - 1).sub_(half)
+    want = d.masked_fill_(d == -half, 0).to(torch.float32).mul_(step)
+    assert torch.equal(c._modulo_delta(theirs, ours, ncodes, step), want)
+    fill = torch.randn(n, generator=g)
+    got = c.decode(theirs, torch.empty(n), seed=3, fill=fill, ref=ours, step=step)
+    if not c.sparse:
+        assert torch.equal(got, want[:n] + fill)

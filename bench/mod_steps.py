@@ -140,12 +140,12 @@ def wz_pair(bits: float, a: torch.Tensor, b: torch.Tensor, gen: torch.Generator,
     """(what a decodes of b, what b decodes of a) through the Gaussian Wyner-Ziv test channel at `bits` a value, a
     variance per 64-value block from the pair's actual difference (rule wz), or one for the whole tensor
     (`per_block` false: rule wz-tensor); module docstring."""
-    n = a.numel()
-    diff = _blocks(b - a)
+    n, d = a.numel(), b - a
+    diff = _blocks(d)
     share = 2.0 ** (-2 * bits)                 # D / s^2: the least mean squared error a code of `bits` can reach
     alpha = 1 - share
     noise = torch.randn(diff.shape, generator=gen, dtype=torch.float64)
-    rms = _block_rms(diff) if per_block else (b - a).square().mean().sqrt()
+    rms = _block_rms(diff) if per_block else d.square().mean().sqrt()
     got = alpha * diff + noise * (alpha * share) ** 0.5 * rms
     return a + got.view(-1)[:n], b - got.view(-1)[:n]
 

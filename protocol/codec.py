@@ -421,12 +421,7 @@ class Codec:
             # a table of every pair of bytes (a gather instead of a dozen passes over the codes; the same values)
             pairs = payload.to(torch.int32).mul_(256).add_(ref)
             return torch.index_select(_delta_table(self.bits), 0, pairs).view(-1)[:ncodes].to(torch.float32).mul_(step)
-        half = 1 << (self.bits - 1)
-        theirs = _unpack(payload, self.bits, ncodes).to(torch.int16)
-        mine = _unpack(ref, self.bits, ncodes).to(torch.int16)
-        d = theirs.sub_(mine).add_(half).bitwise_and_((1 << self.bits) - 1).sub_(half)
-        d.masked_fill_(d == -half, 0)
-        return d.to(torch.float32).mul_(step)
+        return _code_difference(payload, ref, self.bits, ncodes).to(torch.float32).mul_(step)
 
     def _decode_modulo_span(self, payload: torch.Tensor, ref: torch.Tensor, out: torch.Tensor,
                             fill: torch.Tensor, lo: int, hi: int, step: float) -> torch.Tensor:
@@ -453,19 +448,22 @@ def modulo_dither(numel: int, generator: torch.Generator | None, device: torch.d
     return base, offsets.cpu()
 
 
+def _code_difference(theirs: torch.Tensor, ours: torch.Tensor, bits: int, ncodes: int) -> torch.Tensor:
+    """d of the first `ncodes` codes of two modulo payloads' bytes, int16: (their code - ours) modulo 2^b in
+    [-2^(b-1), 2^(b-1)), -2^(b-1) read as 0 (Codec._decode_modulo)."""
+    half = 1 << (bits - 1)
+    d = _unpack(theirs, bits, ncodes).to(torch.int16).sub_(_unpack(ours, bits, ncodes).to(torch.int16))
+    d = d.add_(half).bitwise_and_((1 << bits) - 1).sub_(half)
+    return d.masked_fill_(d == -half, 0)
+
+
 @cache
 def _delta_table(bits: int) -> torch.Tensor:
-    """A modulo code of `bits` that fills whole bytes: d of every code of every pair of payload bytes, [65536, 8 //
-    bits] int8, row theirs * 256 + ours, code k of a byte in its bits k*bits.. (`_pack`'s order): (their code - ours)
-    modulo 2^b in [-2^(b-1), 2^(b-1)), -2^(b-1) read as 0 (Codec._decode_modulo)."""
-    per, mask, half = 8 // bits, (1 << bits) - 1, 1 << (bits - 1)
-    pair = torch.arange(1 << 16, dtype=torch.int32)
-    theirs, ours = pair >> 8, pair & 0xFF
-    cols = []
-    for k in range(per):
-        d = ((((theirs >> (bits * k)) & mask) - ((ours >> (bits * k)) & mask) + half) & mask) - half
-        cols.append(d.masked_fill_(d == -half, 0))
-    return torch.stack(cols, 1).to(torch.int8)
+    """A modulo code of `bits` that fills whole bytes: `_code_difference` of every pair of payload bytes, [65536,
+    8 // bits] int8, row theirs * 256 + ours."""
+    every, per = torch.arange(256, dtype=torch.uint8), 8 // bits
+    theirs, ours = every.repeat_interleave(256), every.repeat(256)
+    return _code_difference(theirs, ours, bits, 65536 * per).view(65536, per).to(torch.int8)
 
 
 def probe_positions(numel: int, seed: int) -> torch.Tensor | None:

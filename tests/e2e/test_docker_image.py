@@ -3,7 +3,8 @@ where nothing can be pulled), `gasloc --help` and `gasloc doctor` run in it, and
 two peers (its CPU form: the file as it is) train for a fixed number of rounds, become healthy, stop cleanly on
 `docker stop` with a checkpoint in their volume, and a peer started again on that volume resumes from it.
 
-Needs a Docker engine: it uses a running one, else starts dockerd itself when it can (root) and stops it at the end.
+Needs a Docker engine: it uses a running one, else starts dockerd itself when it can (root) and stops it at the end,
+then puts back what that dockerd changed on the host (its bridge, iptables rules and sysctls: tests/e2e/dockerd_host.py).
 Where there is none it skips with the reason on a developer's machine, and fails under CI (CI set, as .ci/run does).
 Everything it creates (a compose project of its own: containers, network, volumes) is removed, also on failure;
 a project that a killed earlier run left (its pytest process gone) is removed before the swarm starts.
@@ -27,6 +28,7 @@ from typing import TypeVar
 
 import pytest
 
+from e2e import dockerd_host
 from gasloc.runtime.jsonl import parse_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,6 +85,7 @@ def engine(tmp_path_factory) -> Iterator[None]:
     if shutil.which("dockerd") is None:
         _not_here("no Docker engine running and no dockerd installed (apt-get install docker.io; .ci/run does)")
     log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
+    host = dockerd_host.snapshot()   # its bridge, iptables rules and sysctls are undone once it has stopped
     with open(log, "w") as out:
         proc = subprocess.Popen(["dockerd", "--storage-driver=overlay2"], stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -100,6 +103,7 @@ def engine(tmp_path_factory) -> Iterator[None]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+        dockerd_host.restore(host)
 
 
 def compose_client() -> list[str]:

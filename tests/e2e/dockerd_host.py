@@ -80,9 +80,12 @@ def _normal(text: str) -> dict[str, tuple]:
 
 
 def _iptables_save() -> str | None:
+    """None where there are no iptables to read (not installed, or the kernel's tables cannot be read): then dockerd
+    could not have set up its rules either, and there is nothing of them to undo."""
     if shutil.which("iptables-save") is None:
         return None
-    return subprocess.run(["iptables-save"], capture_output=True, text=True, check=True).stdout
+    r = subprocess.run(["iptables-save"], capture_output=True, text=True)
+    return r.stdout if r.returncode == 0 else None
 
 
 def _sysctl(key: str) -> str | None:

@@ -28,6 +28,16 @@ SYSCTLS = ("net/ipv4/ip_forward", "net/bridge/bridge-nf-call-iptables", "net/bri
 BUILTIN_POLICY = "ACCEPT"  # what a built-in chain of a table that did not exist yet stands for
 
 
+def _empty_table() -> dict:
+    return {"policies": {}, "chains": set(), "rules": Counter()}
+
+
+def _sysctl_wanted(old: str | None) -> str:
+    """The value a sysctl goes back to: its old one, or 0 for a key that was absent (br_netfilter loaded by dockerd:
+    0 is what its absence meant)."""
+    return old if old is not None else "0"
+
+
 def parse_iptables_save(text: str) -> dict[str, dict]:
     """iptables-save's output -> {table: {"policies": {built-in chain: policy}, "chains": {user chain, ...},
     "rules": Counter of "-A CHAIN ..." lines}} (the packet counters dropped)."""
@@ -36,7 +46,7 @@ def parse_iptables_save(text: str) -> dict[str, dict]:
     for line in text.splitlines():
         line = line.strip()
         if line.startswith("*"):
-            cur = tables.setdefault(line[1:], {"policies": {}, "chains": set(), "rules": Counter()})
+            cur = tables.setdefault(line[1:], _empty_table())
         elif cur is None or not line or line.startswith("#") or line == "COMMIT":
             continue
         elif line.startswith(":"):
@@ -56,7 +66,7 @@ def undo_commands(before: str, after: str) -> list[list[str]]:
     b, a = parse_iptables_save(before), parse_iptables_save(after)
     cmds: list[list[str]] = []
     for table, now in a.items():
-        was = b.get(table, {"policies": {}, "chains": set(), "rules": Counter()})
+        was = b.get(table) or _empty_table()
         added = now["rules"] - was["rules"]
         for line in reversed([r for r in now["rules"] if r in added for _ in range(added[r])]):
             cmds.append(["iptables", "-t", table, "-D", *shlex.split(line)[1:]])
@@ -109,7 +119,7 @@ def differences(before: dict, now: dict) -> list[str]:
         out += [f"iptables table {t}: {n.get(t)} (was {b.get(t)})" for t in sorted(set(b) | set(n)) if b.get(t) != n.get(t)]
     for key, old in before["sysctl"].items():
         new = now["sysctl"].get(key)
-        if new is not None and new != (old if old is not None else "0"):
+        if new is not None and new != _sysctl_wanted(old):
             out.append(f"sysctl {key} = {new} (was {old if old is not None else 'absent'})")
     return out
 
@@ -129,9 +139,7 @@ def restore(before: dict) -> list[str]:
                 raise RuntimeError(f"`{' '.join(cmd)}` failed: {r.stderr.strip()}")
             done.append(" ".join(cmd[1:]))
     for key, old in before["sysctl"].items():
-        new = _sysctl(key)
-        # a key that was absent (br_netfilter loaded by dockerd) goes back to 0, what its absence meant
-        want = old if old is not None else "0"
+        new, want = _sysctl(key), _sysctl_wanted(old)
         if new is not None and new != want:
             Path("/proc/sys", key).write_text(want + "\n")
             done.append(f"sysctl {key} = {want}")
